@@ -1,0 +1,61 @@
+"""TorchLens: record every operation a model's forward executes, as one graph of records.
+
+`import torchlens as tl`, then `tl.trace(model, x)`. This package is the framework-neutral
+core: it never imports an ML framework. Backends (`torchlens-torch`, ...) plug in through
+the `torchlens` entry-point group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchlens import errors, options
+from torchlens.capture import trace
+from torchlens.options import CaptureOptions
+from torchlens.plugins.hookspecs import hookimpl
+from torchlens.records import Buffer, Layer, Module, ModuleCall, Op, Param, Trace
+from torchlens.select import (
+    Selection,
+    Selector,
+    all_sites,
+    func,
+    in_module,
+    label,
+    label_contains,
+    label_matches,
+    model_input,
+    model_output,
+    module,
+    where,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "backends": "torchlens.backends",
+    "report": "torchlens.report",
+    "viz": "torchlens.viz",
+    "plugins": "torchlens.plugins",
+    "build": "torchlens.build",
+    "appliances": "torchlens.appliances",
+    "mechinterp": "torchlens.mechinterp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'torchlens' has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(target)
+    globals()[name] = mod
+    return mod
+
+
+__all__ = [
+    "trace", "CaptureOptions", "errors", "options", "hookimpl",
+    "Trace", "Op", "Layer", "Module", "ModuleCall", "Param", "Buffer",
+    "Selection", "Selector", "func", "module", "in_module", "label", "label_contains", "label_matches", "where",
+    "model_input", "model_output", "all_sites", "__version__",
+]

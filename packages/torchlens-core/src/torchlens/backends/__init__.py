@@ -1,0 +1,44 @@
+"""The backend contract, its shared vocabularies, and the backend registry.
+
+`tl.backends.<name>` (for example `tl.backends.torch`) resolves lazily, through the
+registry, to the installed backend package's public namespace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchlens.backends.codes import CAPABILITY_REFUSALS, REFUSAL_CODES, VALIDATION_REASONS
+from torchlens.backends.protocol import (
+    PROTOCOL_MEMBERS,
+    BackendCapabilities,
+    BackendProtocol,
+    BackendSpec,
+    FrameworkRequirement,
+    ValidationStatus,
+    missing_members,
+)
+from torchlens.backends.registry import (
+    KNOWN_BACKEND_EXTRAS,
+    get_protocol,
+    get_spec,
+    select_backend,
+    specs,
+)
+from torchlens.errors import BackendUnsupportedError
+
+__all__ = [
+    "BackendCapabilities", "BackendProtocol", "BackendSpec", "BackendUnsupportedError", "FrameworkRequirement",
+    "ValidationStatus", "REFUSAL_CODES", "VALIDATION_REASONS", "CAPABILITY_REFUSALS", "PROTOCOL_MEMBERS",
+    "KNOWN_BACKEND_EXTRAS", "get_protocol", "get_spec", "select_backend", "specs", "missing_members",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("_"):
+        raise AttributeError(name)
+    from torchlens.backends.registry import namespace
+
+    if name in KNOWN_BACKEND_EXTRAS or name in specs():
+        return namespace(name)
+    raise AttributeError(f"module 'torchlens.backends' has no attribute {name!r}")

@@ -1,0 +1,63 @@
+"""The fixed vocabularies backends share: refusal codes and validation reasons."""
+
+from __future__ import annotations
+
+from torchlens.errors import register_codes
+
+#: capability flag -> the refusal code raised when it is False and the capability is asked for.
+CAPABILITY_REFUSALS: dict[str, str] = {
+    "backward_capture": "backward_capture_unsupported",
+    "fastlog": "fastlog_unsupported",
+    "interventions": "interventions_unsupported",
+    "rng_replay": "rng_replay_unsupported",
+    "streaming": "streaming_unsupported",
+    "structure_only_capture": "structure_only_capture_unsupported",
+    "validation_replay": "validation_replay_unsupported",
+    "payload_materialization": "payload_materialization_unsupported",
+    "intermediate_derived_grads": "intermediate_derived_grads_unsupported",
+}
+
+_OTHER_REFUSALS: dict[str, str] = {
+    "trace_option_unsupported": "a trace option outside the backend's trace_options()",
+    "module_identity_mode_unsupported": "the requested module identity mode is outside the backend's declared set",
+    "save_level_unsupported": "the requested save level is outside the backend's declared set",
+    "explicit_seed_unsupported": "seed= on a preview backend",
+    "runtime_missing": "the backend's framework (or the backend package) is not importable",
+    "runtime_version_unsupported": "the framework's version is outside the backend's supported range",
+    "foreign_tensor_input": "an input leaf belongs to another framework",
+    "constant_unrealizable": "a closure or literal constant has no readable buffer",
+    "rng_state_in_graph": "the traced forward draws random numbers itself on a lazy backend",
+    "unwrapped_op_in_capture": "a wrapper backend met a value with no captured producer",
+    "runtime_mode_unsupported": "Paddle runs outside dygraph mode, or in PIR mode",
+    "inplace_op_unsupported": "an in-place or global-state Paddle op runs inside the forward",
+    "input_mutation_unsupported": "the traced tinygrad callable mutates an input",
+    "tensor_output_required": "the traced tinygrad callable returns no tinygrad Tensor",
+    "tinygrad_input_required": "no positional input of the tinygrad call is a tinygrad Tensor",
+    "live_payloads_required": "tinygrad replay or derived gradients asked of an audit-only trace",
+    "mid_capture_execution_unsupported": "the traced tinygrad callable realizes a tensor or runs TinyJit during capture",
+    "traced_transform_entry_unsupported": "the MLX capture entry is an mx.compile, mx.grad or mx.vmap wrapper",
+    "intervention_with_derived_grads_unsupported": "MLX grad_options= combined with intervene= or stop_after=",
+    "intervention_result_invalid": "an MLX intervention returned a non-array or changed shape or dtype",
+    "value_dependent_branch_unsupported": "the forward branches on a traced value the backend cannot follow",
+    "followed_by_unsupported": "the backend cannot evaluate a followed_by temporal selector",
+    "torchscript_boundary": "the forward enters TorchScript code whose ops cannot be observed",
+}
+
+REFUSAL_CODES: frozenset[str] = frozenset(CAPABILITY_REFUSALS.values()) | frozenset(_OTHER_REFUSALS)
+
+register_codes("BackendUnsupportedError", {
+    **{code: f"the backend declares {flag}=False and it was requested" for flag, code in CAPABILITY_REFUSALS.items()},
+    **_OTHER_REFUSALS,
+})
+
+#: The closed list of per-op validation decision reasons.
+VALIDATION_REASONS: frozenset[str] = frozenset({
+    "replay_mismatch", "parent_payload_missing", "no_replayable_function",
+    "constant_producer_leaf", "constant_parent_payload", "user_intervention_replacement",
+    "effectful_region", "perturbation_insensitive", "dtype_tolerance_exceeded", "op_unclassified",
+    "capture_inconsistent",
+    "arg_logging_mismatch", "missing_saved_args", "dispatch_op_count_mismatch", "bfs_incomplete",
+    "metadata_invariant_exception", "replay_execution_exception", "unattributed_tensor_arg",
+    "dropped_parent_edge_witness",
+    "declared_parents_inconsistent", "replay_coverage_incomplete",
+})

@@ -1,0 +1,219 @@
+"""Typed errors with stable codes.
+
+Every error TorchLens raises on purpose is a `TorchLensError` carrying `code` (a stable
+string callers branch on), `fields` (the facts behind it) and `remedy` (what to do). Every
+code is registered once in `ERROR_CODES` with the class that raises it and a one-line
+meaning; `docs/reference/error-codes.md` is generated from that table and a test checks
+the two agree. Raising an unregistered code is itself a bug and fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+__all__ = [
+    "ERROR_CODES",
+    "TorchLensError",
+    "InvalidArgumentError",
+    "AmbiguousOpLookupError",
+    "LookupMissError",
+    "SelectorCompositionError",
+    "PayloadUnavailableError",
+    "ReentrantTraceError",
+    "TraceCaptureError",
+    "PluginError",
+    "BackendUnsupportedError",
+    "ValidationError",
+    "render_error_codes_markdown",
+]
+
+#: code -> (error class name, meaning). The single registry of codes.
+ERROR_CODES: dict[str, tuple[str, str]] = {}
+
+
+def _register(cls_name: str, codes: Mapping[str, str]) -> None:
+    for code, meaning in codes.items():
+        if code in ERROR_CODES:
+            raise RuntimeError(f"error code {code!r} registered twice")
+        ERROR_CODES[code] = (cls_name, meaning)
+
+
+class TorchLensError(Exception):
+    """Base of every typed TorchLens error: `code`, `fields`, `remedy`."""
+
+    code: str
+    fields: dict[str, Any]
+    remedy: str
+
+    def __init__(self, code: str, message: str = "", *, remedy: str = "", **fields: Any) -> None:
+        if code not in ERROR_CODES:
+            raise RuntimeError(f"unregistered TorchLens error code {code!r}")
+        self.code = code
+        self.fields = dict(fields)
+        self.remedy = remedy
+        self.message = message or ERROR_CODES[code][1]
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        text = f"[{self.code}] {self.message}"
+        if self.remedy:
+            text += f"\n  remedy: {self.remedy}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+class InvalidArgumentError(TorchLensError, ValueError):
+    """An argument has the wrong type or value."""
+
+
+class AmbiguousOpLookupError(TorchLensError, KeyError):
+    """A key names several records where one was asked for."""
+
+    __str__ = TorchLensError.__str__
+
+
+class LookupMissError(TorchLensError, KeyError):
+    """A key names no record of the entry point's kind."""
+
+    __str__ = TorchLensError.__str__
+
+
+class SelectorCompositionError(TorchLensError, ValueError):
+    """A selector was built or composed in a way that has no meaning."""
+
+
+class PayloadUnavailableError(TorchLensError):
+    """A value was asked for that the capture did not keep."""
+
+
+class ReentrantTraceError(TorchLensError, RuntimeError):
+    """A trace was started while another trace is active in this thread."""
+
+
+class TraceCaptureError(TorchLensError, RuntimeError):
+    """The traced forward raised; `partial_trace` holds what was recorded before."""
+
+    def __init__(self, code: str, message: str = "", *, remedy: str = "", partial_trace: Any = None, **fields: Any) -> None:
+        super().__init__(code, message, remedy=remedy, **fields)
+        self.partial_trace = partial_trace
+
+
+class PluginError(TorchLensError, RuntimeError):
+    """A plugin could not be loaded or registered."""
+
+
+class BackendUnsupportedError(TorchLensError):
+    """A backend refuses a request; `code` is a member of `tl.backends.REFUSAL_CODES`."""
+
+
+class ValidationError(TorchLensError):
+    """Validation could not run (not: validation ran and found a mismatch)."""
+
+
+_register("InvalidArgumentError", {
+    "invalid_argument": "an argument has the wrong type or value",
+    "model_type_unsupported": "the object to trace is not a model the backend can trace",
+    "input_type_unsupported": "an input is of a type the backend cannot trace",
+    "save_spec_invalid": "save= is not 'all', 'none', a selector or a list of labels",
+    "capture_option_invalid": "a CaptureOptions field has a value outside its vocabulary",
+    "on_nonfinite_invalid": "on_nonfinite is not one of 'ignore', 'track', 'warn', 'raise'",
+    "accessor_count_by_key_required": "count_by() was called without a key",
+    "accessor_count_by_key_unknown": "count_by() was given a field the records do not carry",
+    "device_unavailable": "the forward asked for a device this machine does not have",
+    "graph_render_unavailable": "the graphviz 'dot' program needed to render a picture is missing",
+    "file_format_mismatch": "file_format disagrees with the path's extension",
+    "file_format_unsupported": "draw() was asked for an output format it cannot write",
+    "graph_render_failed": "the graphviz 'dot' program failed on the generated DOT source",
+    "visualization_theme_invalid": "draw(theme=...) names no known theme",
+    "visualization_show_containers_invalid": "draw(show_containers=...) is not a supported setting (or a removed one)",
+    "draw_option_invalid": "a draw() option (depth, direction, layout, overrides) has a value outside its vocabulary",
+    "collapse_value_invalid": "draw(collapse=...) is not 'none', 'auto', 'max' or a float in [0, 1]",
+    "collapse_plan_unavailable": "the drawing skipped collapsing (pathologically large trace), so it has no collapse plan",
+    "encoding_requires_dot_layout": "an encoding channel (color_by/size_by/stack_by) was combined with layout='rank'",
+    "encoding_source_invalid": "an encoding channel's value source is unknown (or not valid for a rolled drawing)",
+    "encoding_value_invalid": "an encoding channel's source produced a value of the wrong type",
+    "encoding_callable_error": "an encoding channel's callable source raised; the original exception is chained",
+    "encoding_scale_invalid": "size_scale is not 'sqrt' or 'linear'",
+    "scale_requires_size_by": "size_scale was supplied without size_by",
+    "size_by_rolled_varying": "size_by on a rolled drawing met a layer whose value varies across passes",
+    "stack_by_auto_underivable": "stack_by=True/'auto' on a trace whose pass numbers are not monotone in execution order",
+    "stack_by_requires_unrolled": "stack_by was combined with rolled=True",
+    "flop_convention_invalid": "flop_convention is not 'fma2' or 'fma1'",
+    "flop_convention_unavailable": "flop_convention='fma1' needs a MAC split that an op with FLOPs does not carry",
+    "flop_keyword_removed": "a removed FLOP-counting keyword (count_fma_as_two=) was passed; use flop_convention=",
+    "table_render_unavailable": "pandas, needed to build a table, is not installed",
+})
+_register("AmbiguousOpLookupError", {
+    "ambiguous_op_lookup": "a key names several records where one was asked for",
+    "multipass_bare_label_ambiguous": "a bare label of a multi-pass layer was given where one op is needed",
+    "layer_pass_ambiguous": "a single-op read on a multi-pass Layer",
+})
+_register("LookupMissError", {
+    "label_unknown": "no record has this label or address",
+    "pass_out_of_range": "the pass number is outside 1..num_passes",
+})
+_register("SelectorCompositionError", {
+    "selector_key_unknown": "a selector was given an unknown keyword or key",
+    "selector_operand_invalid": "a selector was composed with something that is not a selector",
+    "selector_no_match": "a selector matched no site where at least one was required",
+    "selector_pattern_invalid": "a label_matches pattern is not a valid regular expression",
+})
+_register("PayloadUnavailableError", {
+    "activation_not_saved": "the op's output was not saved by this capture's save=",
+    "output_not_stored": "the model's return value is not held (loaded trace)",
+    "output_forward_failed": "the forward failed before returning",
+    "grad_not_saved": "the op has no saved gradient",
+})
+_register("ReentrantTraceError", {
+    "reentrant_trace": "a trace was started while another trace is active",
+})
+_register("TraceCaptureError", {
+    "forward_failed": "the traced forward raised; partial_trace holds the recorded prefix",
+})
+_register("PluginError", {
+    "plugin_invalid": "a plugin entry point could not be imported or returned malformed objects",
+    "backend_name_duplicate": "two registered backends share one name",
+    "appliance_unknown": "no appliance is registered under this name",
+    "appliance_name_taken": "an appliance name is already registered",
+    "appliance_registration_invalid": "an appliance name or factory is malformed",
+})
+_register("BackendUnsupportedError", {
+    "backend_unknown": "no backend of this name is registered or known",
+    "backend_not_found": "no registered backend can trace this model",
+    "backend_protocol_incomplete": "a backend's protocol object lacks members of BackendProtocol",
+})
+_register("ValidationError", {
+    "validation_unavailable": "validation cannot run on this trace",
+})
+
+
+def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:
+    """Register further codes (used by `tl.backends` for the refusal codes)."""
+    _register(cls_name, codes)
+
+
+def render_error_codes_markdown() -> str:
+    """The text of `docs/reference/error-codes.md`, generated from `ERROR_CODES`."""
+    lines = [
+        "# Error codes",
+        "",
+        "Every typed error carries `exc.code`, `exc.fields` and `exc.remedy`. Branch on the",
+        "code, never on the message. This page is generated from `torchlens.errors.ERROR_CODES`",
+        "(`python -m torchlens.errors > docs/reference/error-codes.md`); a test checks it is current.",
+        "",
+        "| code | error class | meaning |",
+        "|---|---|---|",
+    ]
+    for code in sorted(ERROR_CODES):
+        cls_name, meaning = ERROR_CODES[code]
+        lines.append(f"| `{code}` | `{cls_name}` | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import torchlens.backends  # noqa: F401  (registers the refusal codes)
+    from torchlens.errors import render_error_codes_markdown as _render  # the package's registry, not __main__'s
+
+    print(_render(), end="")

@@ -1,0 +1,65 @@
+"""Option dataclasses (frozen). Every capture setting rides one of these or an entry-point
+keyword; values outside their vocabulary raise typed errors at construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torchlens.errors import InvalidArgumentError
+
+_SAVE_MODES = ("copy", "reference", "view")
+_ON_NONFINITE = ("ignore", "track", "warn", "raise")
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """Capture mechanics. Payload selection is `save=` on `tl.trace`, not a field here.
+
+    - `save_mode`: `"copy"` isolates each saved value (default), `"reference"` keeps the
+      live object, `"view"` leaves aliasing visible.
+    - `output_device`: `"same"` or a device string saved payloads are moved to.
+    - `detach_saved_activations`: detach saved payloads from the autograd graph.
+    - `inference_only`: run the forward without building a graph (`None`: implied from
+      the caller's grad mode).
+    - `backward_ready` / `save_grads`: keep the graph so `trace.backward(loss)` can fill
+      `op.grad`.
+    - `carry_state`: let buffers, modes and attributes advance as a plain forward would
+      (default False: pure observer).
+    - `seed`: seed the capture's own random streams.
+    - `on_nonfinite`: `"ignore"`, `"track"`, `"warn"` or `"raise"`.
+    """
+
+    save_mode: str = "copy"
+    output_device: str = "same"
+    detach_saved_activations: bool = False
+    inference_only: bool | None = None
+    backward_ready: bool = False
+    save_grads: bool = False
+    carry_state: bool = False
+    seed: int | None = None
+    on_nonfinite: str = "ignore"
+
+    def __post_init__(self) -> None:
+        if self.save_mode not in _SAVE_MODES:
+            raise InvalidArgumentError("capture_option_invalid", f"save_mode={self.save_mode!r} is not one of {_SAVE_MODES}",
+                                       remedy="use 'copy', 'reference' or 'view'", field="save_mode")
+        if self.on_nonfinite not in _ON_NONFINITE:
+            raise InvalidArgumentError("on_nonfinite_invalid", f"on_nonfinite={self.on_nonfinite!r} is not one of {_ON_NONFINITE}",
+                                       remedy="use 'ignore', 'track', 'warn' or 'raise'", field="on_nonfinite")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidArgumentError("capture_option_invalid", "seed must be an int or None", remedy="seed=0",
+                                       field="seed")
+        if self.inference_only and (self.backward_ready or self.save_grads):
+            raise InvalidArgumentError("capture_option_invalid", "inference_only=True conflicts with backward_ready/save_grads",
+                                       remedy="drop inference_only or the gradient options", field="inference_only")
+        for name in ("detach_saved_activations", "backward_ready", "save_grads", "carry_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError("capture_option_invalid", f"{name} must be a bool", remedy=f"{name}=True or False",
+                                           field=name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+__all__ = ["CaptureOptions"]

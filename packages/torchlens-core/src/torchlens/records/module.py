@@ -1,0 +1,209 @@
+"""Module, ModuleCall, Param and Buffer records."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torchlens.records.op import numel as _numel
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchlens.records.op import Op
+    from torchlens.records.trace import Trace
+
+
+class ModuleCall:
+    """One call of a module (`"encoder:2"`): the ops it ran, including nested modules'."""
+
+    __slots__ = ("label", "address", "call", "op_labels", "input_labels", "output_labels", "_trace")
+
+    def __init__(self, address: str, call: int) -> None:
+        self.address = address
+        self.call = call
+        self.label = f"{address}:{call}"
+        self.op_labels: list[str] = []
+        self.input_labels: list[str] = []
+        self.output_labels: list[str] = []
+
+    @property
+    def ops(self) -> list["Op"]:
+        return [self._trace.ops[label] for label in self.op_labels]
+
+    @property
+    def output_ops(self) -> list["Op"]:
+        return [self._trace.ops[label] for label in self.output_labels]
+
+    @property
+    def out(self) -> Any:
+        outs = self.output_ops
+        if len(outs) == 1:
+            return outs[0].out
+        return tuple(o.out for o in outs)
+
+    @property
+    def num_layers(self) -> int:
+        ops = self._trace.ops
+        return len({ops[label].layer_label for label in self.op_labels})
+
+    @property
+    def module(self) -> "Module":
+        return self._trace.modules[self.address]
+
+    def __repr__(self) -> str:
+        return f"<ModuleCall {self.label}: {len(self.op_labels)} ops>"
+
+
+class Module:
+    """A captured module (address `"self"` is the root): its place in the tree and its calls."""
+
+    __slots__ = (
+        "address", "class_name", "class_qualname", "parent", "children", "calls", "param_addresses",
+        "buffer_addresses", "all_addresses", "training", "_trace",
+    )
+
+    def __init__(self, address: str, class_name: str, class_qualname: str, parent: str | None,
+                 all_addresses: tuple[str, ...], training: bool) -> None:
+        self.address = address
+        self.class_name = class_name
+        self.class_qualname = class_qualname
+        self.parent = parent
+        self.children: list[str] = []
+        self.calls: list[ModuleCall] = []
+        self.param_addresses: list[str] = []
+        self.buffer_addresses: list[str] = []
+        self.all_addresses = all_addresses or (address,)
+        self.training = training
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls)
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.address == "self" else self.address.count(".") + 1
+
+    @property
+    def params(self) -> list["Param"]:
+        return [self._trace.params[a] for a in self.param_addresses]
+
+    @property
+    def buffers(self) -> list["Buffer"]:
+        return [self._trace.buffers[a] for a in self.buffer_addresses]
+
+    @property
+    def layer_labels(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for call in self.calls:
+            for label in call.op_labels:
+                seen.setdefault(self._trace.ops[label].layer_label, None)
+        return list(seen)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def output_ops(self) -> list["Op"]:
+        return [op for call in self.calls for op in call.output_ops]
+
+    @property
+    def out(self) -> Any:
+        if len(self.calls) != 1:
+            from torchlens.errors import AmbiguousOpLookupError
+
+            raise AmbiguousOpLookupError(
+                "ambiguous_op_lookup",
+                f"module {self.address!r} was called {len(self.calls)} times",
+                remedy="read one call: " + ", ".join(c.label for c in self.calls[:4]),
+                candidates=[c.label for c in self.calls],
+            )
+        return self.calls[0].out
+
+    def __getitem__(self, key: str) -> Any:
+        """`module[address]` is a descendant, `module["address:N"]` its call, a label what
+        `trace[label]` gives (addresses are relative to this module)."""
+        if self.address != "self":
+            full = f"{self.address}.{key}"
+            if full.split(":")[0] in self._trace.modules._records:
+                return self._trace[full]
+        return self._trace[key]
+
+    def __repr__(self) -> str:
+        return f"<Module {self.address} ({self.class_name}): {self.num_calls} call{'s' if self.num_calls != 1 else ''}>"
+
+
+class Param:
+    """A registered parameter: address, shape, dtype, trainability and the ops that read it."""
+
+    __slots__ = ("address", "module", "name", "shape", "dtype", "trainable", "value", "device",
+                 "consumer_labels", "_trace")
+
+    def __init__(self, address: str, module: str, name: str, shape: tuple[int, ...], dtype: str,
+                 trainable: bool, value: Any, device: str) -> None:
+        self.address = address
+        self.module = module
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.trainable = trainable
+        self.value = value
+        self.device = device
+        self.consumer_labels: list[str] = []
+
+    @property
+    def label(self) -> str:
+        return self.address
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.consumer_labels)
+
+    @property
+    def executed(self) -> bool:
+        return bool(self.consumer_labels)
+
+    @property
+    def nbytes(self) -> int:
+        from torchlens.records.op import itemsize
+
+        return self.numel * itemsize(self.dtype)
+
+    def __repr__(self) -> str:
+        return f"<Param {self.address}: {tuple(self.shape)}, {self.dtype}{'' if self.trainable else ', frozen'}>"
+
+
+class Buffer:
+    """A registered or module-held buffer; `op_labels` are its recorded version ops."""
+
+    __slots__ = ("address", "module", "name", "shape", "dtype", "value", "persistent", "device",
+                 "op_labels", "_trace")
+
+    def __init__(self, address: str, module: str, name: str, shape: tuple[int, ...], dtype: str,
+                 value: Any, persistent: bool, device: str) -> None:
+        self.address = address
+        self.module = module
+        self.name = name
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.value = value
+        self.persistent = persistent
+        self.device = device
+        self.op_labels: list[str] = []
+
+    @property
+    def label(self) -> str:
+        return self.address
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
+    def versions(self) -> list["Op"]:
+        return [self._trace.ops[label] for label in self.op_labels]
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.address}: {tuple(self.shape)}, {self.dtype}>"

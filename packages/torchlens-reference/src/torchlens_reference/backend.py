@@ -1,0 +1,228 @@
+"""The reference backend: records the reference framework's ops as core events."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from torchlens.backends import BackendCapabilities, BackendUnsupportedError, ValidationStatus
+from torchlens.build import (
+    ArgRef,
+    EventLog,
+    ModelInfo,
+    ModuleEnter,
+    ModuleExit,
+    ModuleInfo,
+    OpEvent,
+    ParamInfo,
+    build_trace,
+)
+from torchlens.build.save import apply_save, save_plan
+from torchlens.errors import InvalidArgumentError, TraceCaptureError
+from torchlens.records.trace import Provenance
+from torchlens_reference import nn, runtime
+from torchlens_reference.plugin import FRAMEWORK
+
+_CALL_CODE = nn.Module.__call__.__code__
+
+
+class _Recorder:
+    def __init__(self, model: nn.Module, log: EventLog) -> None:
+        self.log = log
+        self.addr_of = {id(m): (a or "self") for a, m in model.named_modules()}
+        self.param_addr = {id(p): a for a, p in model.named_parameters()}
+        self.param_value_addr = {id(p.value): a for a, p in model.named_parameters()}
+        self.producer: dict[int, tuple[int, int]] = {}
+        self.alive: list[Any] = []  # keeps ids stable during the capture
+        self.stack: list[tuple[str, int]] = []
+        self.calls: dict[str, int] = {}
+
+    def source(self, kind: str, value: np.ndarray, path: str) -> int:
+        i = self.log.new_id()
+        self.log.append(OpEvent(i, kind, kind, outputs=(value.copy(),), shapes=(value.shape,), dtypes=(str(value.dtype),),
+                                path=path, module_stack=tuple(self.stack) if kind == "constant" else ()))
+        self.producer[id(value)] = (i, 0)
+        self.alive.append(value)
+        return i
+
+    def op(self, name: str, fn: Any, args: tuple, out: np.ndarray, params: tuple) -> None:
+        parents: list[tuple[int, int]] = []
+        template: list[Any] = []
+        param_addrs = [self.param_addr[id(p)] for p in params if id(p) in self.param_addr]
+        for a in args:
+            if isinstance(a, np.ndarray):
+                if id(a) in self.param_value_addr:
+                    template.append(ArgRef(address=self.param_value_addr[id(a)]))
+                    continue
+                src = self.producer.get(id(a))
+                if src is None:
+                    self.source("constant", a, "constant")
+                    src = self.producer[id(a)]
+                template.append(ArgRef(index=len(parents)))
+                parents.append(src)
+            else:
+                template.append(a)
+        i = self.log.new_id()
+        out_arr = np.asarray(out)
+        self.log.append(OpEvent(
+            i, "op", name, parents=tuple(parents), outputs=(out_arr.copy(),), shapes=(out_arr.shape,),
+            dtypes=(str(out_arr.dtype),), module_stack=tuple(self.stack), site=_site(), params=tuple(param_addrs),
+            func=fn, args_template=tuple(template)))
+        self.producer[id(out)] = (i, 0)
+        self.alive.append(out)
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        addr = self.addr_of.get(id(module), f"<unregistered {type(module).__name__}>")
+        n = self.calls.get(addr, 0) + 1
+        self.calls[addr] = n
+        self.stack.append((addr, n))
+        ins = tuple(self.producer[id(a)] for a in args if isinstance(a, np.ndarray) and id(a) in self.producer)
+        self.log.append(ModuleEnter(addr, n, ins))
+
+    def exit(self, module: nn.Module, out: Any) -> None:
+        addr, n = self.stack.pop()
+        outs = tuple(self.producer[id(o)] for o in _leaves(out) if id(o) in self.producer)
+        self.log.append(ModuleExit(addr, n, outs))
+
+
+def _site() -> tuple:
+    """(code, instruction) pairs from the op call up to the innermost module's __call__."""
+    f = sys._getframe(3)
+    key = []
+    while f is not None and f.f_code is not _CALL_CODE and len(key) < 16:
+        key.append((f.f_code, f.f_lasti))
+        f = f.f_back
+    return tuple(key)
+
+
+def _leaves(obj: Any, path: str = "output") -> list[Any]:
+    if isinstance(obj, np.ndarray):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [x for o in obj for x in _leaves(o)]
+    if isinstance(obj, dict):
+        return [x for o in obj.values() for x in _leaves(o)]
+    return []
+
+
+def _paths(obj: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(obj, np.ndarray):
+        return [(path, obj)]
+    if isinstance(obj, (tuple, list)):
+        return [x for i, o in enumerate(obj) for x in _paths(o, f"{path}[{i}]")]
+    if isinstance(obj, dict):
+        return [x for k, o in obj.items() for x in _paths(o, f"{path}[{k!r}]")]
+    return []
+
+
+class ReferenceBackend:
+    """BackendProtocol implementation for the reference framework."""
+
+    name = "reference"
+    maturity = "preview"
+    framework = FRAMEWORK
+    materialization = "eager"
+    _OPTIONS = frozenset({"save", "capture"})
+
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(validation_replay=True, payload_materialization=True)
+
+    def runtime_available(self) -> str | None:
+        return None
+
+    def trace_options(self) -> frozenset[str]:
+        return self._OPTIONS
+
+    def refusal_codes(self) -> frozenset[str]:
+        return frozenset({"trace_option_unsupported", "explicit_seed_unsupported", "backward_capture_unsupported"})
+
+    def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
+        return isinstance(model, nn.Module)
+
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, np.ndarray)
+
+    def host_copy(self, value: Any) -> np.ndarray:
+        return np.array(value, copy=True)
+
+    def realize_once(self, values: Any) -> Any:
+        return values
+
+    def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
+        return model(*args, **kwargs)
+
+    def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None, **options: Any) -> Any:
+        unknown = sorted(set(options) - self._OPTIONS)
+        if unknown:
+            raise BackendUnsupportedError("trace_option_unsupported", f"the reference backend has no option {unknown[0]!r}",
+                                          remedy=f"options: {', '.join(sorted(self._OPTIONS))}", option=unknown[0])
+        if capture is not None and capture.seed is not None:
+            raise BackendUnsupportedError("explicit_seed_unsupported", "seed= on a preview backend",
+                                          remedy="seed numpy yourself before the call")
+        if capture is not None and (capture.backward_ready or capture.save_grads):
+            raise BackendUnsupportedError("backward_capture_unsupported", "the reference backend records no gradients",
+                                          remedy="use the torch backend for gradients")
+        plan = save_plan(save)
+        for i, a in enumerate(args):
+            if not isinstance(a, np.ndarray):
+                raise InvalidArgumentError("input_type_unsupported", f"input {i} is a {type(a).__name__}, not a numpy array",
+                                           remedy="pass numpy arrays", index=i)
+        log = EventLog()
+        rec = _Recorder(model, log)
+        info = ModelInfo(type(model).__name__)
+        for addr, m in model.named_modules():
+            a = addr or "self"
+            info.modules.append(ModuleInfo(a, type(m).__name__, type(m).__qualname__, training=m.training))
+        for addr, p in model.named_parameters():
+            mod, _, name = addr.rpartition(".")
+            info.params.append(ParamInfo(addr, mod or "self", name, p.value.shape, str(p.value.dtype), p.trainable, p.value))
+        for i, a in enumerate(args):
+            rec.source("input", a, f"args[{i}]" if len(args) > 1 else "x")
+        start = time.perf_counter()
+        prov = Provenance("reference", backend_version="0.1.0", framework_version=np.__version__,
+                          model_class=type(model).__name__, start_time=time.time())
+        runtime.RECORDER = rec
+        try:
+            rec.enter(model, args)
+            try:
+                out = model.forward(*args, **kwargs)
+            finally:
+                runtime.RECORDER = None
+            rec.exit(model, out)
+        except Exception as exc:
+            partial = build_trace(info, log, output_state="output_forward_failed", provenance=prov, backend=self)
+            raise TraceCaptureError("forward_failed", f"the forward raised {type(exc).__name__}: {exc}",
+                                    remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
+                                    partial_trace=partial) from exc
+        for path, leaf in _paths(out, "output"):
+            src = rec.producer.get(id(leaf))
+            i = log.new_id()
+            log.append(OpEvent(i, "output", "output", parents=(src,) if src else (), outputs=(leaf.copy(),),
+                               shapes=(leaf.shape,), dtypes=(str(leaf.dtype),), path=path))
+        prov.duration = time.perf_counter() - start
+        prov.end_time = time.time()
+        trace = build_trace(info, log, output=out, provenance=prov, options=capture, backend=self)
+        apply_save(trace, plan)
+        return trace
+
+    def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
+        """Replay every op on its parents' saved values and compare with its saved output."""
+        params = {a: p.value for a, p in trace._params.items()}
+        decisions = []
+        for op in trace.ops:
+            if op.kind != "op" or op.func is None:
+                continue
+            if not op.saved or any(not trace.ops[p].saved for p in op.parents):
+                return ValidationStatus(False, op.label, "parent_payload_missing", decisions)
+            parents = [trace.ops[p].out for p in op.parents]
+            args = [parents[a.index] if isinstance(a, ArgRef) and a.address is None else
+                    params[a.address] if isinstance(a, ArgRef) else a for a in op.args_template]
+            got = op.func(*args)
+            ok = np.array_equal(np.asarray(got), op.out)
+            decisions.append({"op": op.label, "ok": ok, "reason": None if ok else "replay_mismatch"})
+            if not ok:
+                return ValidationStatus(False, op.label, "replay_mismatch", decisions)
+        return ValidationStatus(True, decisions=decisions)

@@ -1,0 +1,53 @@
+"""The reference framework's operations. Each one reports itself to an active recorder."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchlens_reference import runtime
+
+
+def _op(name, fn, *args, params=()):
+    out = fn(*args)
+    rec = runtime.RECORDER
+    if rec is not None:
+        rec.op(name, fn, args, out, params)
+    return out
+
+
+def linear(x, weight, bias=None, *, params=()):
+    if bias is None:
+        return _op("linear", lambda a, w: a @ w.T, x, weight, params=params)
+    return _op("linear", lambda a, w, b: a @ w.T + b, x, weight, bias, params=params)
+
+
+def relu(x):
+    return _op("relu", lambda a: np.maximum(a, 0).astype(a.dtype), x)
+
+
+def tanh(x):
+    return _op("tanh", np.tanh, x)
+
+
+def add(a, b):
+    return _op("add", np.add, a, b)
+
+
+def mul(a, b):
+    return _op("mul", np.multiply, a, b)
+
+
+def matmul(a, b):
+    return _op("matmul", np.matmul, a, b)
+
+
+def softmax(x, axis=-1):
+    def _softmax(a):
+        e = np.exp(a - a.max(axis=axis, keepdims=True))
+        return e / e.sum(axis=axis, keepdims=True)
+
+    return _op("softmax", _softmax, x)
+
+
+def zeros(shape, dtype=np.float32):
+    return _op("zeros", lambda: np.zeros(shape, dtype=dtype))

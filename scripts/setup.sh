@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create .venv/ (when missing) and install every member distribution editable into it.
+# Idempotent: a second run with unchanged requirements returns at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! command -v dot >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -q && apt-get install -y -q graphviz) >/dev/null 2>&1 \
+      || echo "setup: could not install graphviz (drawings fall back to DOT text)" >&2
+  else
+    echo "setup: graphviz 'dot' not found; install it for rendered drawings (apt-get install graphviz)" >&2
+  fi
+fi
+MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-reference conformance"
+stamp=.venv/.torchlens-setup
+want=$(cat constraints.txt requirements-dev.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+.venv/bin/python -m pip install -q -c constraints.txt -r requirements-dev.txt
+editables=()
+for m in $MEMBERS; do editables+=(-e "$m"); done
+.venv/bin/python -m pip install -q -c constraints.txt --no-build-isolation --no-deps "${editables[@]}"
+echo "$want" > "$stamp"
