@@ -32,11 +32,52 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
                                   remedy="finish the outer capture first; trace the inner model separately")
     kwargs = dict(input_kwargs or {})
     proto = select_backend(model, args, kwargs, backend)
+    check_requested_capabilities(proto, capture, trace_options)
     _state.active = True
     try:
         return proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
     finally:
         _state.active = False
+
+
+#: Entry-point keywords of tl.trace beyond save= and capture= (which every backend takes).
+PUBLIC_TRACE_OPTIONS: tuple[str, ...] = (
+    "intervene", "stop_after", "storage", "narrate", "episode", "facets", "chunk_paths", "input_shape",
+    "on_zero_fire", "structure_only", "fastlog", "grad_options", "replay_rng", "materialize_payloads",
+)
+
+#: trace option -> the capability flag it requests (refused with that flag's code when False).
+OPTION_CAPABILITY: dict[str, str] = {
+    "intervene": "interventions",
+    "storage": "streaming",
+    "structure_only": "structure_only_capture",
+    "fastlog": "fastlog",
+    "grad_options": "intermediate_derived_grads",
+    "replay_rng": "rng_replay",
+    "materialize_payloads": "payload_materialization",
+}
+
+
+def check_requested_capabilities(proto: Any, capture: CaptureOptions | None, options: dict[str, Any]) -> None:
+    """Refuse, before any framework call, what the backend declares it cannot do."""
+    from torchlens.backends.codes import CAPABILITY_REFUSALS
+    from torchlens.errors import BackendUnsupportedError
+
+    caps = proto.capabilities()
+    if capture is not None and (capture.backward_ready or capture.save_grads) and not caps.backward_capture:
+        raise BackendUnsupportedError(CAPABILITY_REFUSALS["backward_capture"],
+                                      f"the {proto.name} backend cannot capture gradients",
+                                      remedy="drop backward_ready/save_grads or use the torch backend", backend=proto.name)
+    declared = set(proto.trace_options())
+    for name in options:
+        flag = OPTION_CAPABILITY.get(name)
+        if flag is not None and not getattr(caps, flag):
+            raise BackendUnsupportedError(CAPABILITY_REFUSALS[flag], f"the {proto.name} backend declares {flag}=False ({name}=)",
+                                          remedy=f"drop {name}= for this backend", backend=proto.name, option=name)
+        if name not in declared:
+            raise BackendUnsupportedError("trace_option_unsupported", f"the {proto.name} backend has no trace option {name!r}",
+                                          remedy=f"its options: {', '.join(sorted(declared | {'save', 'capture'}))}",
+                                          backend=proto.name, option=name)
 
 
 def capture_active() -> bool:

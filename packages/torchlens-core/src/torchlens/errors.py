@@ -194,8 +194,23 @@ def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:
     _register(cls_name, codes)
 
 
+def load_all_codes() -> None:
+    """Import every core module, so codes a module registers for itself are in the table."""
+    import importlib
+    import pkgutil
+
+    import torchlens
+
+    for info in pkgutil.walk_packages(torchlens.__path__, "torchlens."):
+        if info.name.endswith("__main__") or info.name == "torchlens.cli":
+            continue
+        importlib.import_module(info.name)
+
+
 def render_error_codes_markdown() -> str:
-    """The text of `docs/reference/error-codes.md`, generated from `ERROR_CODES`."""
+    """The text of `docs/reference/error-codes.md`, generated from `ERROR_CODES` after
+    every core module has registered its codes."""
+    load_all_codes()
     lines = [
         "# Error codes",
         "",
@@ -213,7 +228,6 @@ def render_error_codes_markdown() -> str:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    import torchlens.backends  # noqa: F401  (registers the refusal codes)
     from torchlens.errors import render_error_codes_markdown as _render  # the package's registry, not __main__'s
 
     print(_render(), end="")

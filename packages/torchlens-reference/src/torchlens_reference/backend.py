@@ -48,7 +48,7 @@ class _Recorder:
         self.alive.append(value)
         return i
 
-    def op(self, name: str, fn: Any, args: tuple, out: np.ndarray, params: tuple) -> None:
+    def op(self, name: str, fn: Any, args: tuple, out: np.ndarray, params: tuple, meta: dict | None = None) -> None:
         parents: list[tuple[int, int]] = []
         template: list[Any] = []
         param_addrs = [self.param_addr[id(p)] for p in params if id(p) in self.param_addr]
@@ -70,7 +70,7 @@ class _Recorder:
         self.log.append(OpEvent(
             i, "op", name, parents=tuple(parents), outputs=(out_arr.copy(),), shapes=(out_arr.shape,),
             dtypes=(str(out_arr.dtype),), module_stack=tuple(self.stack), site=_site(), params=tuple(param_addrs),
-            func=fn, args_template=tuple(template)))
+            func=fn, args_template=tuple(template), meta=meta or {}))
         self.producer[id(out)] = (i, 0)
         self.alive.append(out)
 
@@ -220,7 +220,18 @@ class ReferenceBackend:
             parents = [trace.ops[p].out for p in op.parents]
             args = [parents[a.index] if isinstance(a, ArgRef) and a.address is None else
                     params[a.address] if isinstance(a, ArgRef) else a for a in op.args_template]
-            got = op.func(*args)
+            state = op.meta.get("rng_state")
+            if state is not None:
+                from torchlens_reference import ops as _ops
+
+                saved_state = _ops.rng_state()
+                _ops.set_rng_state(state)
+                try:
+                    got = op.func(*args)
+                finally:
+                    _ops.set_rng_state(saved_state)
+            else:
+                got = op.func(*args)
             ok = np.array_equal(np.asarray(got), op.out)
             decisions.append({"op": op.label, "ok": ok, "reason": None if ok else "replay_mismatch"})
             if not ok:

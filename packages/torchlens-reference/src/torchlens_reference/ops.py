@@ -7,11 +7,12 @@ import numpy as np
 from torchlens_reference import runtime
 
 
-def _op(name, fn, *args, params=()):
-    out = fn(*args)
+def _op(name, fn, *args, params=(), random=False):
     rec = runtime.RECORDER
+    meta = {"rng_state": rng_state()} if (random and rec is not None) else None
+    out = fn(*args)
     if rec is not None:
-        rec.op(name, fn, args, out, params)
+        rec.op(name, fn, args, out, params, meta)
     return out
 
 
@@ -51,3 +52,25 @@ def softmax(x, axis=-1):
 
 def zeros(shape, dtype=np.float32):
     return _op("zeros", lambda: np.zeros(shape, dtype=dtype))
+
+
+_RNG = np.random.default_rng(0)
+
+
+def seed(value: int) -> None:
+    """Reset the reference framework's global random stream."""
+    global _RNG
+    _RNG = np.random.default_rng(value)
+
+
+def rng_state() -> dict:
+    return _RNG.bit_generator.state
+
+
+def set_rng_state(state: dict) -> None:
+    _RNG.bit_generator.state = state
+
+
+def noise(shape, dtype=np.float32):
+    """Standard-normal noise from the global stream: a random literal producer."""
+    return _op("noise", lambda: _RNG.standard_normal(shape).astype(dtype), random=True)

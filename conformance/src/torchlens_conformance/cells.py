@@ -1,0 +1,397 @@
+"""The conformance cells (spec: glossary § Backends, "Conformance case ids").
+
+A cell takes a `Context` (the backend's spec, protocol object and zoo) and returns an
+`Outcome`: passed, failed, or unsupported (a typed refusal from the backend). Cells are
+generic: they use only `BackendProtocol` members, `tl.trace` and the backend's zoo, so a
+third-party backend runs them unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import torchlens as tl
+from torchlens.backends import (
+    CAPABILITY_REFUSALS,
+    REFUSAL_CODES,
+    VALIDATION_REASONS,
+    BackendCapabilities,
+    BackendProtocol,
+    BackendUnsupportedError,
+    missing_members,
+)
+from torchlens.capture import OPTION_CAPABILITY, PUBLIC_TRACE_OPTIONS
+from torchlens_conformance.zoo import ZooEntry, load_zoo
+
+
+@dataclass(frozen=True)
+class Outcome:
+    outcome: str  # "passed" | "failed" | "unsupported"
+    detail: str = ""
+
+
+PASSED = Outcome("passed")
+
+
+class CellFailure(AssertionError):
+    pass
+
+
+def check(cond: bool, detail: str) -> None:
+    if not cond:
+        raise CellFailure(detail)
+
+
+@dataclass
+class Context:
+    spec: Any
+    proto: Any
+    zoo: dict[str, ZooEntry]
+
+    def trace(self, entry: ZooEntry, **kw: Any) -> Any:
+        if entry.reseed is not None:
+            entry.reseed()
+        return tl.trace(entry.model, *entry.args, input_kwargs=entry.kwargs, backend=self.spec.name, **kw)
+
+    def role(self, name: str) -> ZooEntry:
+        entry = self.zoo.get(name)
+        check(entry is not None, f"the backend's zoo has no {name!r} model")
+        return entry
+
+    def host(self, value: Any) -> np.ndarray:
+        return self.proto.host_copy(value)
+
+
+def _leaves(ctx: Context, obj: Any) -> list[Any]:
+    if ctx.proto.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _leaves(ctx, v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _leaves(ctx, v)]
+    if hasattr(obj, "to_tuple"):
+        return _leaves(ctx, obj.to_tuple())
+    return []
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+
+
+# tier 0 ---------------------------------------------------------------------------------
+
+def c0_protocol_complete(ctx: Context) -> Outcome:
+    missing = missing_members(ctx.proto)
+    check(not missing, f"missing members: {missing}")
+    check(isinstance(ctx.proto, BackendProtocol), "not a BackendProtocol at runtime")
+    check(ctx.proto.name == ctx.spec.name, f"protocol name {ctx.proto.name!r} != spec name {ctx.spec.name!r}")
+    check(ctx.proto.maturity == ctx.spec.maturity, "protocol and spec maturity differ")
+    check(ctx.proto.materialization in ("eager", "lazy"), "materialization is not eager or lazy")
+    return PASSED
+
+
+def c0_framework_requirement_consistent(ctx: Context) -> Outcome:
+    fw = ctx.spec.framework
+    check(fw == ctx.proto.framework, "spec and protocol framework requirements differ")
+    check(bool(fw.distributions), "no framework distribution named")
+    if fw.below is not None:
+        check(fw.contains(fw.minimum), f"minimum {fw.minimum} is outside [{fw.minimum}, {fw.below})")
+    if fw.pinned is not None:
+        check(fw.contains(fw.pinned), f"pinned {fw.pinned} is outside {fw.range_text()}")
+    if fw.tested_through is not None:
+        check(fw.contains(fw.tested_through), f"tested_through {fw.tested_through} is outside {fw.range_text()}")
+    return PASSED
+
+
+def c0_refusal_codes_registered(ctx: Context) -> Outcome:
+    extra = set(ctx.proto.refusal_codes()) - REFUSAL_CODES
+    check(not extra, f"codes outside REFUSAL_CODES: {sorted(extra)}")
+    return PASSED
+
+
+def c0_capability_table_complete(ctx: Context) -> Outcome:
+    caps = ctx.proto.capabilities()
+    check(isinstance(caps, BackendCapabilities), "capabilities() is not a BackendCapabilities")
+    for f in dataclasses.fields(caps):
+        check(isinstance(getattr(caps, f.name), bool), f"capability {f.name} is not a bool")
+    return PASSED
+
+
+# tier 1 ---------------------------------------------------------------------------------
+
+def c1_graph_integrity(ctx: Context) -> Outcome:
+    check(bool(ctx.zoo), "the backend ships no zoo")
+    for entry in ctx.zoo.values():
+        t = ctx.trace(entry)
+        labels = [o.label for o in t.ops]
+        check(len(labels) == len(set(labels)), f"{entry.name}: duplicate op labels")
+        for op in t.ops:
+            for p in op.parents:
+                check(p in t.ops, f"{entry.name}: {op.label} has unknown parent {p}")
+                check(op.label in t.ops[p].children, f"{entry.name}: {p} does not list child {op.label}")
+                check(t.ops[p].index < op.index, f"{entry.name}: parent {p} comes after {op.label}")
+            for c in op.children:
+                check(op.label in t.ops[c].parents, f"{entry.name}: {c} does not list parent {op.label}")
+        check(t.input_ops and t.output_ops, f"{entry.name}: no input or output op")
+        for out in t.output_ops:
+            check(len(out.parents) == 1, f"{entry.name}: output {out.label} has {len(out.parents)} parents")
+        for call in t.module_calls:
+            for label in call.output_labels:
+                check(label in t.ops, f"{entry.name}: call {call.label} outputs unknown {label}")
+    return PASSED
+
+
+def c1_intermediates_match(ctx: Context) -> Outcome:
+    for entry in ctx.zoo.values():
+        if entry.reseed is not None:
+            entry.reseed()
+        ref = ctx.proto.reference_output(entry.model, entry.args, entry.kwargs)
+        t = ctx.trace(entry)
+        ref_leaves = [ctx.host(v) for v in _leaves(ctx, ref)]
+        out_ops = t.output_ops
+        check(len(ref_leaves) == len(out_ops), f"{entry.name}: {len(out_ops)} output ops for {len(ref_leaves)} outputs")
+        for r, op in zip(ref_leaves, out_ops):
+            check(_same(r, ctx.host(op.out)), f"{entry.name}: {op.label} differs from the reference forward")
+            parent = t.ops[op.parents[0]]
+            pv = parent.outs[op.parent_slots[0][1]] if parent.multi_output else parent.out
+            check(_same(r, ctx.host(pv)), f"{entry.name}: {parent.label} differs from the reference output")
+    return PASSED
+
+
+def c1_shape_metadata_matches_payload(ctx: Context) -> Outcome:
+    for entry in ctx.zoo.values():
+        t = ctx.trace(entry)
+        for op in t.ops:
+            for i, v in enumerate(op.outs):
+                if v is None or not ctx.proto.is_tensor(v):
+                    continue
+                h = ctx.host(v)
+                check(tuple(h.shape) == tuple(op.shapes[i]), f"{entry.name}: {op.label} shape {op.shapes[i]} vs payload {h.shape}")
+    return PASSED
+
+
+def _validate(ctx: Context, t: Any) -> Any:
+    return ctx.proto.validate(t, None)
+
+
+def c1_validation_passes(ctx: Context) -> Outcome:
+    ctx.proto.capabilities().refuse_unless("validation_replay")
+    for entry in ctx.zoo.values():
+        t = ctx.trace(entry)
+        status = _validate(ctx, t)
+        check(bool(status), f"{entry.name}: validation failed at {status.first_failure} ({status.reason})")
+    return PASSED
+
+
+def c1_validation_names_reason(ctx: Context) -> Outcome:
+    ctx.proto.capabilities().refuse_unless("validation_replay")
+    entry = ctx.zoo.get("mlp") or next(iter(ctx.zoo.values()))
+    t = ctx.trace(entry)
+    victim = next(o for o in t.ops if o.kind == "op" and o.parents and not o.multi_output)
+    h = ctx.host(victim.out)
+    corrupted = np.asarray(h + 1).astype(h.dtype) if h.dtype != bool else ~h
+    victim._outputs = (_like(ctx, victim.out, corrupted),)
+    status = _validate(ctx, t)
+    check(not bool(status), "validation passed on a corrupted payload")
+    check(status.reason in VALIDATION_REASONS, f"reason {status.reason!r} is not in VALIDATION_REASONS")
+    check(status.first_failure in (victim.label, *victim.children), f"validation blamed {status.first_failure}, not {victim.label}")
+    return PASSED
+
+
+def _like(ctx: Context, original: Any, values: np.ndarray) -> Any:
+    """A framework value holding `values`, built the way the backend's payloads are."""
+    codec = getattr(ctx.proto, "from_host", None)
+    return codec(values, like=original) if codec is not None else values
+
+
+def c1_constant_parents_recorded(ctx: Context) -> Outcome:
+    entry = ctx.role("constant")
+    t = ctx.trace(entry)
+    consts = [o for o in t.ops if o.kind == "constant"]
+    check(bool(consts), "no constant op recorded for a closure tensor")
+    for c in consts:
+        check(c.parents == (), f"constant {c.label} has parents")
+        check(bool(c.children), f"constant {c.label} feeds no op")
+        check(c.saved, f"constant {c.label} has no saved payload")
+    return PASSED
+
+
+def c1_rng_consumed_once(ctx: Context) -> Outcome:
+    entry = ctx.role("random")
+    check(entry.reseed is not None, "the random model has no reseed callable")
+    entry.reseed()
+    ref = [ctx.host(v) for v in _leaves(ctx, ctx.proto.reference_output(entry.model, entry.args, entry.kwargs))]
+    t = ctx.trace(entry)  # reseeds first
+    got = [ctx.host(o.out) for o in t.output_ops]
+    check(len(ref) == len(got) and all(_same(a, b) for a, b in zip(ref, got)),
+          "the traced random forward differs from one plain forward from the same state")
+    return PASSED
+
+
+def c1_no_silent_gap(ctx: Context) -> Outcome:
+    for entry in ctx.zoo.values():
+        t = ctx.trace(entry)
+        check(t.provenance.verified, f"{entry.name}: capture not verified ({t.provenance.verification_reason})")
+        for op in t.ops:
+            if op.kind == "op":
+                check(bool(op.parents) or not op.args_template or _literal_only(op),
+                      f"{entry.name}: {op.label} has tensor arguments but no recorded parent")
+        for out in t.output_ops:
+            check(bool(out.parents), f"{entry.name}: output {out.label} has no producer")
+    return PASSED
+
+
+def _literal_only(op: Any) -> bool:
+    from torchlens.build.events import ArgRef
+
+    return not any(isinstance(a, ArgRef) and a.address is None for a in (op.args_template or ()))
+
+
+# c1 refusal cells -------------------------------------------------------------------------
+
+_CAPABILITY_REQUEST: dict[str, Callable[[Context, ZooEntry], Any]] = {
+    "backward_capture": lambda ctx, e: ctx.trace(e, capture=tl.CaptureOptions(backward_ready=True, save_grads=True)),
+    "validation_replay": lambda ctx, e: ctx.proto.validate(ctx.trace(e), None),
+}
+for _option, _flag in OPTION_CAPABILITY.items():
+    _CAPABILITY_REQUEST[_flag] = (lambda opt: (lambda ctx, e: ctx.trace(e, **{opt: True})))(_option)
+
+
+def refusal_cell(flag: str) -> Callable[[Context], Outcome]:
+    code = CAPABILITY_REFUSALS[flag]
+
+    def cell(ctx: Context) -> Outcome:
+        entry = next(iter(ctx.zoo.values()))
+        try:
+            _CAPABILITY_REQUEST[flag](ctx, entry)
+        except BackendUnsupportedError as exc:
+            check(exc.code == code, f"refused with {exc.code!r}, expected {code!r}")
+            return PASSED
+        raise CellFailure(f"{flag}=False but the request was not refused")
+
+    cell.__name__ = f"c1_refusal_{flag}"
+    return cell
+
+
+def option_refusal_cell(option: str) -> Callable[[Context], Outcome]:
+    def cell(ctx: Context) -> Outcome:
+        entry = next(iter(ctx.zoo.values()))
+        try:
+            ctx.trace(entry, **{option: object()})
+        except BackendUnsupportedError as exc:
+            allowed = {"trace_option_unsupported"}
+            if option in OPTION_CAPABILITY:
+                allowed.add(CAPABILITY_REFUSALS[OPTION_CAPABILITY[option]])
+            check(exc.code in allowed, f"refused with {exc.code!r}, expected one of {sorted(allowed)}")
+            return PASSED
+        raise CellFailure(f"option {option}= is outside trace_options() but was not refused")
+
+    cell.__name__ = f"c1_refusal_trace_option_{option}"
+    return cell
+
+
+# tier 2 ---------------------------------------------------------------------------------
+
+def _io_available() -> bool:
+    return importlib.util.find_spec("torchlens.io.bundle") is not None or hasattr(tl.Trace, "save")
+
+
+def _roundtrip(ctx: Context, entry: ZooEntry) -> tuple[Any, Any]:
+    t = ctx.trace(entry)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{entry.name}.tlspec"
+        t.save(path)
+        loaded = tl.load(path)
+        for op in loaded.ops:  # materialise inside the temporary directory
+            if op.saved:
+                op.outs
+    return t, loaded
+
+
+def _durable_unavailable() -> Outcome | None:
+    if not hasattr(tl.Trace, "save") or not hasattr(tl, "load"):
+        return Outcome("unsupported", "persistence (Trace.save / tl.load) is not available in this core")
+    return None
+
+
+def c2_payload_values_equal(ctx: Context) -> Outcome:
+    gap = _durable_unavailable()
+    if gap is not None:
+        return gap
+    for entry in ctx.zoo.values():
+        t, loaded = _roundtrip(ctx, entry)
+        check(loaded.labels == t.labels, f"{entry.name}: labels changed on load")
+        for a, b in zip(t.ops, loaded.ops):
+            check(a.parents == b.parents, f"{entry.name}: {a.label} parents changed on load")
+            if a.saved:
+                for va, vb in zip(a.outs, b.outs):
+                    if ctx.proto.is_tensor(va):
+                        check(_same(ctx.host(va), ctx.host(vb)), f"{entry.name}: {a.label} payload changed on load")
+    return PASSED
+
+
+def c2_validation_after_load(ctx: Context) -> Outcome:
+    gap = _durable_unavailable()
+    if gap is not None:
+        return gap
+    ctx.proto.capabilities().refuse_unless("validation_replay")
+    for entry in ctx.zoo.values():
+        _, loaded = _roundtrip(ctx, entry)
+        status = _validate(ctx, loaded)
+        check(bool(status), f"{entry.name}: validation after load failed at {status.first_failure} ({status.reason})")
+    return PASSED
+
+
+BASE_CELLS: dict[str, Callable[[Context], Outcome]] = {
+    f.__name__: f for f in (
+        c0_protocol_complete, c0_framework_requirement_consistent, c0_refusal_codes_registered,
+        c0_capability_table_complete,
+        c1_graph_integrity, c1_intermediates_match, c1_shape_metadata_matches_payload, c1_validation_passes,
+        c1_validation_names_reason, c1_constant_parents_recorded, c1_rng_consumed_once, c1_no_silent_gap,
+        c2_payload_values_equal, c2_validation_after_load,
+    )
+}
+
+
+def tier_of(cell_id: str) -> int:
+    return int(cell_id[1])
+
+
+def cells_for(proto: Any) -> dict[str, Callable[[Context], Outcome]]:
+    """The base cells plus the backend's refusal cells (one per False flag and per public
+    trace option outside its trace_options())."""
+    out = dict(BASE_CELLS)
+    caps = proto.capabilities().as_dict()
+    for flag, value in caps.items():
+        if not value:
+            out[f"c1_refusal_{flag}"] = refusal_cell(flag)
+    declared = set(proto.trace_options())
+    for option in PUBLIC_TRACE_OPTIONS:
+        if option not in declared:
+            out[f"c1_refusal_trace_option_{option}"] = option_refusal_cell(option)
+    return dict(sorted(out.items(), key=lambda kv: (tier_of(kv[0]), kv[0])))
+
+
+def run_cell(ctx: Context, cell: Callable[[Context], Outcome]) -> Outcome:
+    """Run one cell: a typed refusal is `unsupported`, anything else unexpected `failed`."""
+    try:
+        return cell(ctx)
+    except CellFailure as exc:
+        return Outcome("failed", str(exc))
+    except BackendUnsupportedError as exc:
+        return Outcome("unsupported", f"refused: {exc.code}")
+    except Exception as exc:  # an untyped exception is a failure, named
+        return Outcome("failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def make_context(name: str) -> Context:
+    spec = tl.backends.get_spec(name)
+    proto = tl.backends.get_protocol(name)
+    return Context(spec, proto, load_zoo(spec))

@@ -1,0 +1,1 @@
+pytest_plugins = ["torchlens_conformance.pytest_plugin"]
