@@ -1,30 +1,5 @@
-"""Reading a backend's zoo: entries are dicts (model, args, kwargs, optional reseed) or
-(model, args, kwargs) tuples."""
+"""Zoo entries are read by core (`torchlens.backends.zoo`); re-exported for the suite."""
 
-from __future__ import annotations
+from torchlens.backends.zoo import ZooEntry, load_zoo
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
-
-@dataclass
-class ZooEntry:
-    name: str
-    model: Any
-    args: tuple
-    kwargs: dict
-    reseed: Callable[[], None] | None = None
-
-
-def load_zoo(spec: Any) -> dict[str, ZooEntry]:
-    if spec.zoo is None:
-        return {}
-    out = {}
-    for name, entry in spec.zoo().items():
-        if isinstance(entry, dict):
-            out[name] = ZooEntry(name, entry["model"], tuple(entry.get("args", ())), dict(entry.get("kwargs", {})),
-                                 entry.get("reseed"))
-        else:
-            model, args, kwargs = entry
-            out[name] = ZooEntry(name, model, tuple(args), dict(kwargs))
-    return out
+__all__ = ["ZooEntry", "load_zoo"]

@@ -11,6 +11,7 @@ from typing import Any
 
 from torchlens import errors, options
 from torchlens.capture import trace
+from torchlens.check import validate
 from torchlens.options import CaptureOptions
 from torchlens.plugins.hookspecs import hookimpl
 from torchlens.records import Buffer, Layer, Module, ModuleCall, Op, Param, Trace
@@ -19,6 +20,7 @@ from torchlens.select import (
     Selector,
     all_sites,
     func,
+    grad,
     in_module,
     label,
     label_contains,
@@ -54,8 +56,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "trace", "CaptureOptions", "errors", "options", "hookimpl",
+    "trace", "validate", "CaptureOptions", "errors", "options", "hookimpl",
     "Trace", "Op", "Layer", "Module", "ModuleCall", "Param", "Buffer",
-    "Selection", "Selector", "func", "module", "in_module", "label", "label_contains", "label_matches", "where",
+    "Selection", "Selector", "func", "grad", "module", "in_module", "label", "label_contains", "label_matches", "where",
     "model_input", "model_output", "all_sites", "__version__",
 ]

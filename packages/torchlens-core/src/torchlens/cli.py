@@ -18,6 +18,7 @@ def _demo(args: argparse.Namespace) -> int:
     """Trace a small built-in model (no downloads), print its summary, draw it, run the doctor."""
     import torchlens as tl
     from torchlens.backends import registry
+    from torchlens.backends.zoo import load_zoo
 
     specs = registry.specs()
     name = args.backend or ("torch" if "torch" in specs else "reference" if "reference" in specs else None)
@@ -25,13 +26,15 @@ def _demo(args: argparse.Namespace) -> int:
         print("no backend is installed: pip install 'torchlens[torch]'", file=sys.stderr)
         return 2
     spec = specs[name]
-    zoo = spec.zoo() if spec.zoo is not None else {}
+    zoo = load_zoo(spec)
     key = args.model or ("demo" if "demo" in zoo else next(iter(zoo), None))
     if key is None or key not in zoo:
         print(f"backend {name} ships no model {key!r}; choose from {', '.join(zoo)}", file=sys.stderr)
         return 2
-    model, margs, mkwargs = zoo[key]
-    trace = tl.trace(model, *margs, input_kwargs=mkwargs, backend=name)
+    entry = zoo[key]
+    if entry.reseed is not None:
+        entry.reseed()
+    trace = tl.trace(entry.model, *entry.args, input_kwargs=entry.kwargs, backend=name)
     print(f"== {trace!r}")
     print(trace.summary())
     out = Path(args.out)

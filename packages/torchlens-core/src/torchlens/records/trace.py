@@ -80,6 +80,7 @@ class Trace:
         self.annotations: dict[str, Any] = {}
         self.name: str = "root"
         self._backend: Any = None  # the BackendProtocol object, for verbs that execute code
+        self.validation_replay_status: Any = None  # set by tl.validate / validate_forward_pass
 
     # accessors -------------------------------------------------------------------------
     @property
@@ -282,8 +283,13 @@ class Trace:
         """Run the backward pass from `loss` and fill `op.grad` for saved ops."""
         return self._verb("backward")(self, loss, **kwargs)
 
-    def validate_forward_pass(self, **kwargs: Any) -> Any:
-        return self._verb("validate")(self, **kwargs)
+    def validate_forward_pass(self) -> bool:
+        """Replay every op from its saved inputs (under its recorded RNG state) and compare;
+        the detailed status lands in `trace.validation_replay_status`."""
+        self._backend.capabilities().refuse_unless("validation_replay") if self._backend is not None else None
+        status = self._verb("validate")(self, None)
+        self.validation_replay_status = status
+        return bool(status)
 
     def __repr__(self) -> str:
         n_layers = len(self._layers)
