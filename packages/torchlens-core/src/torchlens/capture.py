@@ -32,9 +32,25 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
                                   remedy="finish the outer capture first; trace the inner model separately")
     kwargs = dict(input_kwargs or {})
     proto = select_backend(model, args, kwargs, backend)
-    check_requested_capabilities(proto, capture, trace_options)
+    intervene = trace_options.pop("intervene", None)
+    on_zero_fire = trace_options.pop("on_zero_fire", "warn")
+    check_requested_capabilities(proto, capture, {**trace_options, **({"intervene": intervene} if intervene is not None else {})},
+                                 live_interventions=True)
     _state.active = True
     try:
+        if intervene is not None:
+            from torchlens.build.save import save_plan
+            from torchlens.intervention.live import live_capture
+            from torchlens.intervention.recipe import Recipe
+            from torchlens.options import InterventionOptions
+
+            InterventionOptions(on_zero_fire=on_zero_fire)
+            save_plan(save)
+            if not isinstance(intervene, Recipe):
+                raise InvalidArgumentError("invalid_argument", f"intervene= takes a tl.Recipe, not {type(intervene).__name__}",
+                                           remedy="intervene=tl.when(site, tl.zero_ablate())")
+            return live_capture(proto, model, args, kwargs, intervene, save=save, capture=capture or CaptureOptions(),
+                                on_zero_fire=on_zero_fire)
         return proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
     finally:
         _state.active = False
@@ -58,7 +74,8 @@ OPTION_CAPABILITY: dict[str, str] = {
 }
 
 
-def check_requested_capabilities(proto: Any, capture: CaptureOptions | None, options: dict[str, Any]) -> None:
+def check_requested_capabilities(proto: Any, capture: CaptureOptions | None, options: dict[str, Any],
+                                 live_interventions: bool = False) -> None:
     """Refuse, before any framework call, what the backend declares it cannot do."""
     from torchlens.backends.codes import CAPABILITY_REFUSALS
     from torchlens.errors import BackendUnsupportedError
@@ -74,6 +91,8 @@ def check_requested_capabilities(proto: Any, capture: CaptureOptions | None, opt
         if flag is not None and not getattr(caps, flag):
             raise BackendUnsupportedError(CAPABILITY_REFUSALS[flag], f"the {proto.name} backend declares {flag}=False ({name}=)",
                                           remedy=f"drop {name}= for this backend", backend=proto.name, option=name)
+        if name == "intervene" and live_interventions:
+            continue  # core applies recipes through the backend's _edit_plan option
         if name not in declared:
             raise BackendUnsupportedError("trace_option_unsupported", f"the {proto.name} backend has no trace option {name!r}",
                                           remedy=f"its options: {', '.join(sorted(declared | {'save', 'capture'}))}",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from torchlens.errors import InvalidArgumentError
+from torchlens.errors import InterventionError, InvalidArgumentError
 
 _SAVE_MODES = ("copy", "reference", "view")
 _ON_NONFINITE = ("ignore", "track", "warn", "raise")
@@ -62,4 +62,30 @@ class CaptureOptions:
         return asdict(self)
 
 
-__all__ = ["CaptureOptions"]
+_ENGINES = ("replay", "rerun", "set_only")
+_ZERO_FIRE = ("warn", "error", "disclose")
+
+
+@dataclass(frozen=True)
+class InterventionOptions:
+    """How `Trace.do` applies an edit.
+
+    - `engine`: `None` picks from the arguments (replay without model/inputs, rerun with
+      both); `"replay"` pushes the edit through the recorded graph; `"rerun"` re-executes
+      the model with the edit live; `"set_only"` stages the edit without propagating.
+    - `on_zero_fire`: `"warn"`, `"error"` or `"disclose"` for an edit that fires nowhere.
+    """
+
+    engine: str | None = None
+    on_zero_fire: str = "warn"
+
+    def __post_init__(self) -> None:
+        if self.engine is not None and self.engine not in _ENGINES:
+            raise InterventionError("engine_invalid", f"engine={self.engine!r} is not one of {_ENGINES}",
+                                       remedy="engine='replay', 'rerun' or 'set_only'", engine=self.engine)
+        if self.on_zero_fire not in _ZERO_FIRE:
+            raise InterventionError("zero_fire_policy_invalid", f"on_zero_fire={self.on_zero_fire!r} is not one of {_ZERO_FIRE}",
+                                       remedy="'warn', 'error' or 'disclose'")
+
+
+__all__ = ["CaptureOptions", "InterventionOptions"]

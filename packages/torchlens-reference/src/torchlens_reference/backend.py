@@ -39,6 +39,7 @@ class _Recorder:
         self.alive: list[Any] = []  # keeps ids stable during the capture
         self.stack: list[tuple[str, int]] = []
         self.calls: dict[str, int] = {}
+        self.edit_plan: Any = None
 
     def source(self, kind: str, value: np.ndarray, path: str) -> int:
         i = self.log.new_id()
@@ -66,6 +67,8 @@ class _Recorder:
             else:
                 template.append(a)
         i = self.log.new_id()
+        if self.edit_plan is not None and i in self.edit_plan:
+            out = self.edit_plan.apply(i, (out,))[0]
         out_arr = np.asarray(out)
         self.log.append(OpEvent(
             i, "op", name, parents=tuple(parents), outputs=(out_arr.copy(),), shapes=(out_arr.shape,),
@@ -73,6 +76,7 @@ class _Recorder:
             func=fn, args_template=tuple(template), meta=meta or {}))
         self.producer[id(out)] = (i, 0)
         self.alive.append(out)
+        return out
 
     def enter(self, module: nn.Module, args: tuple) -> None:
         addr = self.addr_of.get(id(module), f"<unregistered {type(module).__name__}>")
@@ -128,7 +132,30 @@ class ReferenceBackend:
     _OPTIONS = frozenset({"save", "capture"})
 
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(validation_replay=True, payload_materialization=True)
+        return BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True)
+
+    def edit_ops(self) -> Any:
+        from torchlens_reference.edit_ops import ReferenceEditOps
+
+        return ReferenceEditOps()
+
+    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
+        """Bound-executor hooks: edit module outputs as the modules return."""
+        from torchlens.intervention.edits import HookContext
+
+        addr_of = {id(m): (a or "self") for a, m in model.named_modules()}
+        calls: dict[str, int] = {}
+
+        def on_exit(module: Any, out: Any) -> Any:
+            addr = addr_of.get(id(module))
+            n = calls[addr] = calls.get(addr, 0) + 1
+            for i, (address, call, edit) in enumerate(rules):
+                if address == addr and (call is None or call == n) and isinstance(out, np.ndarray):
+                    out = edit(out, HookContext(f"{addr}:{n}", None, None, ops))
+                    fired[i] = fired.get(i, 0) + 1
+            return out
+
+        return runtime.push_exit_hook(on_exit)
 
     def runtime_available(self) -> str | None:
         return None
@@ -151,10 +178,17 @@ class ReferenceBackend:
     def realize_once(self, values: Any) -> Any:
         return values
 
+    def payload_codec(self) -> Any:
+        """Payloads are numpy arrays: core's generic numpy codec saves and loads them."""
+        from torchlens.io.codec import NumpyCodec
+
+        return NumpyCodec()
+
     def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
         return model(*args, **kwargs)
 
-    def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None, **options: Any) -> Any:
+    def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None, _edit_plan: Any = None,
+                **options: Any) -> Any:
         unknown = sorted(set(options) - self._OPTIONS)
         if unknown:
             raise BackendUnsupportedError("trace_option_unsupported", f"the reference backend has no option {unknown[0]!r}",
@@ -172,6 +206,7 @@ class ReferenceBackend:
                                            remedy="pass numpy arrays", index=i)
         log = EventLog()
         rec = _Recorder(model, log)
+        rec.edit_plan = _edit_plan
         info = ModelInfo(type(model).__name__)
         for addr, m in model.named_modules():
             a = addr or "self"

@@ -48,7 +48,10 @@ class Module:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rec = runtime.RECORDER
         if rec is None:
-            return self.forward(*args, **kwargs)
+            out = self.forward(*args, **kwargs)
+            for hook in list(runtime.EXIT_HOOKS):
+                out = hook(self, out)
+            return out
         rec.enter(self, args)
         out = self.forward(*args, **kwargs)
         rec.exit(self, out)

@@ -12,7 +12,7 @@ def _op(name, fn, *args, params=(), random=False):
     meta = {"rng_state": rng_state()} if (random and rec is not None) else None
     out = fn(*args)
     if rec is not None:
-        rec.op(name, fn, args, out, params, meta)
+        out = rec.op(name, fn, args, out, params, meta)
     return out
 
 

@@ -291,6 +291,67 @@ class Trace:
         self.validation_replay_status = status
         return bool(status)
 
+    # persistence -----------------------------------------------------------------------
+    def save(self, path: Any, level: str = "full", overwrite: bool = False) -> Any:
+        """Write this trace as a `.tlspec` directory (saved format 3); `tl.load(path)` reads it."""
+        from torchlens.io.bundle import save
+
+        return save(self, path, level=level, overwrite=overwrite)
+
+    # interventions -----------------------------------------------------------------------
+    def do(self, site: Any, edit: Any = None, /, *, model: Any = None, inputs: Any = None, intervention: Any = None,
+           input_kwargs: dict | None = None) -> "Trace":
+        """Stage an edit at `site` and propagate it: through the recorded graph (replay, no
+        model), or by re-executing `model` on `inputs` (rerun). Returns this trace."""
+        from torchlens.intervention.verbs import do
+
+        return do(self, site, edit, model=model, inputs=inputs, intervention=intervention, input_kwargs=input_kwargs)
+
+    def fork(self, name: str | None = None) -> "Trace":
+        """A copy with its own intervention spec and values; edits to it leave this trace alone."""
+        from torchlens.intervention.verbs import fork
+
+        return fork(self, name)
+
+    def clear_edits(self, site: Any = None, handle: Any = None, *, strict: bool = False) -> "Trace":
+        from torchlens.intervention.verbs import clear_edits
+
+        return clear_edits(self, site, handle, strict=strict)
+
+    def run(self, model: Any, inputs: Any, /, *, input_kwargs: dict | None = None, on_zero_fire: str = "warn") -> "Trace":
+        """Re-execute `model` on `inputs` with this trace's recipe live; returns a new Trace."""
+        from torchlens.intervention.verbs import run
+
+        return run(self, model, inputs, input_kwargs=input_kwargs, on_zero_fire=on_zero_fire)
+
+    @property
+    def recipe(self) -> Any:
+        from torchlens.intervention.verbs import recipe
+
+        return recipe(self)
+
+    @property
+    def is_pristine(self) -> bool:
+        from torchlens.intervention.verbs import is_pristine
+
+        return is_pristine(self)
+
+    @property
+    def intervention_audit(self) -> list[dict[str, Any]]:
+        from torchlens.intervention.verbs import _state
+
+        return _state(self)["audit"]
+
+    @property
+    def last_run(self) -> dict[str, Any] | None:
+        from torchlens.intervention.verbs import _state
+
+        return _state(self)["last_run"]
+
+    @property
+    def armed_edits(self) -> tuple:
+        return tuple(r for r in self.recipe.rules if r.signal == "backward")
+
     def __repr__(self) -> str:
         n_layers = len(self._layers)
         return (f"<Trace of {self.provenance.model_class or 'model'} ({self.provenance.backend}): "

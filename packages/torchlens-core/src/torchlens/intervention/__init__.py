@@ -1,0 +1,30 @@
+"""Interventions (`tl.intervention`): recipes of (site, edit) rules applied by replay,
+rerun, capture-time `intervene=`, or a bound executor."""
+
+from torchlens.intervention.edits import (
+    Edit,
+    HookContext,
+    add,
+    add_noise,
+    clamp,
+    clip_norm,
+    hook,
+    mean_ablate,
+    patch_from,
+    project_onto,
+    project_out,
+    replace_with,
+    scale,
+    scramble_elements,
+    steer,
+    swap_with,
+    zero_ablate,
+)
+from torchlens.intervention.live import BoundModel, EditPlan
+from torchlens.intervention.recipe import Recipe, Rule, when
+
+__all__ = [
+    "Edit", "HookContext", "Recipe", "Rule", "BoundModel", "EditPlan", "when",
+    "add", "add_noise", "clamp", "clip_norm", "hook", "mean_ablate", "patch_from", "project_onto", "project_out",
+    "replace_with", "scale", "scramble_elements", "steer", "swap_with", "zero_ablate",
+]
