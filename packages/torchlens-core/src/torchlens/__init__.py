@@ -12,7 +12,24 @@ from typing import Any
 from torchlens import errors, options
 from torchlens.capture import trace
 from torchlens.check import validate
-from torchlens.options import CaptureOptions
+from torchlens.intervention import (
+    Recipe,
+    add,
+    add_noise,
+    clamp,
+    clip_norm,
+    mean_ablate,
+    patch_from,
+    project_onto,
+    project_out,
+    replace_with,
+    scale,
+    steer,
+    swap_with,
+    when,
+    zero_ablate,
+)
+from torchlens.options import CaptureOptions, InterventionOptions
 from torchlens.plugins.hookspecs import hookimpl
 from torchlens.records import Buffer, Layer, Module, ModuleCall, Op, Param, Trace
 from torchlens.select import (
@@ -38,10 +55,23 @@ _LAZY = {
     "report": "torchlens.report",
     "viz": "torchlens.viz",
     "plugins": "torchlens.plugins",
+    "intervention": "torchlens.intervention",
     "build": "torchlens.build",
     "appliances": "torchlens.appliances",
     "mechinterp": "torchlens.mechinterp",
+    "io": "torchlens.io",
+    "export": "torchlens.export",
+    "types": "torchlens.types",
+    "validation": "torchlens.validation",
 }
+
+
+def load(path: Any, lazy: bool = False) -> Any:
+    """Load a `.tlspec` directory written by `Trace.save` (checked in full before it returns).
+    `lazy=True` maps payloads from disk on first read instead of reading them up front."""
+    from torchlens.io.bundle import load as _load
+
+    return _load(path, lazy=lazy)
 
 
 def __getattr__(name: str) -> Any:
@@ -56,7 +86,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "trace", "validate", "CaptureOptions", "errors", "options", "hookimpl",
+    "trace", "validate", "CaptureOptions", "InterventionOptions", "Recipe", "when", "zero_ablate", "scale", "add",
+    "clamp", "add_noise", "mean_ablate", "replace_with", "steer", "project_onto", "project_out", "clip_norm",
+    "patch_from", "swap_with", "errors", "options", "hookimpl",
     "Trace", "Op", "Layer", "Module", "ModuleCall", "Param", "Buffer",
     "Selection", "Selector", "func", "grad", "module", "in_module", "label", "label_contains", "label_matches", "where",
     "model_input", "model_output", "all_sites", "__version__",

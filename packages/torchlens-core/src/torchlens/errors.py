@@ -24,6 +24,7 @@ __all__ = [
     "PluginError",
     "BackendUnsupportedError",
     "ValidationError",
+    "ArtifactError",
     "render_error_codes_markdown",
 ]
 
@@ -108,12 +109,30 @@ class BackendUnsupportedError(TorchLensError):
     """A backend refuses a request; `code` is a member of `tl.backends.REFUSAL_CODES`."""
 
 
+class InterventionError(TorchLensError, ValueError):
+    """An intervention could not be built, staged or applied; nothing was mutated."""
+
+
+class AmbiguousAxisError(InterventionError):
+    """An edit's axis could not be inferred: zero or several axes match."""
+
+
+class TraceMutationWarning(UserWarning):
+    """A root trace (not a fork) was edited in place; warned once per root trace."""
+
+
 class ValidationError(TorchLensError):
     """Validation could not run (not: validation ran and found a mismatch)."""
 
 
+class ArtifactError(TorchLensError):
+    """A saved artifact (`.tlspec` directory, exported file) could not be written or was
+    refused on read: a path rule, a digest, a schema or a version check failed."""
+
+
 _register("InvalidArgumentError", {
     "invalid_argument": "an argument has the wrong type or value",
+    "backward_not_requested": "trace.backward was called on a trace not captured with backward_ready/save_grads",
     "model_type_unsupported": "the object to trace is not a model the backend can trace",
     "input_type_unsupported": "an input is of a type the backend cannot trace",
     "save_spec_invalid": "save= is not 'all', 'none', a selector or a list of labels",
@@ -159,6 +178,8 @@ _register("SelectorCompositionError", {
     "selector_operand_invalid": "a selector was composed with something that is not a selector",
     "selector_no_match": "a selector matched no site where at least one was required",
     "selector_pattern_invalid": "a label_matches pattern is not a valid regular expression",
+    "grad_selector_nested": "tl.grad was given another tl.grad selector",
+    "grad_selector_inner_invalid": "tl.grad was given something other than a selector or a label (a list or dict)",
 })
 _register("PayloadUnavailableError", {
     "activation_not_saved": "the op's output was not saved by this capture's save=",
@@ -171,6 +192,7 @@ _register("ReentrantTraceError", {
 })
 _register("TraceCaptureError", {
     "forward_failed": "the traced forward raised; partial_trace holds the recorded prefix",
+    "nonfinite_value": "an op produced NaN or Inf under on_nonfinite='raise'; partial_trace holds the prefix",
 })
 _register("PluginError", {
     "plugin_invalid": "a plugin entry point could not be imported or returned malformed objects",
@@ -184,8 +206,63 @@ _register("BackendUnsupportedError", {
     "backend_not_found": "no registered backend can trace this model",
     "backend_protocol_incomplete": "a backend's protocol object lacks members of BackendProtocol",
 })
+_register("InterventionError", {
+    "intervention_site_invalid": "an intervention site is not a selector, label or mapping",
+    "intervention_edit_invalid": "an edit is not a helper, a hook callable or a value",
+    "intervention_shape_changed": "an edit changed the site's shape without allow_shape_change=True",
+    "intervention_over_invalid": "mean_ablate's dim= is not None, an int, a tuple of ints or 'members'",
+    "intervention_direction_invalid": "Rule(..., direction=...) was passed; the site decides the pass",
+    "spec_rules_duplicate": "a merged recipe would hold the same clause twice",
+    "replay_gradient_edit_unsupported": "a gradient edit was given to the replay engine",
+    "replay_template_missing": "an op in the edit's downstream cone has no recorded callable or arguments to re-execute",
+    "replay_payload_missing": "replay needs a payload this capture did not save",
+    "replay_execution_failed": "re-executing an op of the downstream cone raised",
+    "engine_invalid": "InterventionOptions(engine=...) is not 'replay', 'rerun' or 'set_only'",
+    "rerun_inputs_required": "the rerun engine needs both model= and inputs=",
+    "rerun_graph_diverged": "the edited rerun recorded a different graph than the unedited run",
+    "zero_fire_policy_invalid": "on_zero_fire is not 'warn', 'error' or 'disclose'",
+    "trace_zero_fire": "an intervention fired at zero sites during capture",
+    "rerun_zero_fire": "an intervention fired at zero sites during a rerun",
+    "bind_zero_fire": "a bound rule fired at zero sites",
+    "bind_rule_unsupported": "a bound executor cannot apply this rule",
+    "clear_edits_unmatched": "clear_edits(strict=True) named nothing it could remove",
+    "edit_signal_mismatch": "an edit that reads forward state was attached to a gradient site",
+    "patch_source_invalid": "patch_from's source has no value at the site",
+    "helper_tensor_changed_since_capture": "a tensor an edit holds changed after the edit was staged",
+    "steer_direction_invalid": "a steering or projection direction has the wrong shape or dtype",
+})
+_register("AmbiguousAxisError", {
+    "axis_ambiguous": "an edit's axis matches zero or several axes of the site; pass dim=",
+})
 _register("ValidationError", {
     "validation_unavailable": "validation cannot run on this trace",
+})
+_register("ArtifactError", {
+    "bundle_path_exists": "the save path already exists and overwrite=True was not given",
+    "bundle_path_not_artifact": "overwrite=True would replace a path that is not a TorchLens artifact",
+    "save_path_symlink_rejected": "the save path's final component is a symlink",
+    "load_path_symlink_rejected": "the load path, its manifest or a listed file is a symlink",
+    "artifact_save_level_unsupported": "the save level is not one this artifact kind can be written at",
+    "artifact_write_failed": "the file system refused a write while saving; nothing was published",
+    "artifact_not_found": "the load path does not exist or is not a directory",
+    "artifact_read_failed": "the file system refused a read while loading",
+    "artifact_kind_unsupported": "the manifest names an artifact kind this loader does not read",
+    "artifact_file_missing": "a file the manifest lists is absent (or is not a regular file)",
+    "artifact_file_unlisted": "the artifact holds a file its manifest does not list",
+    "artifact_size_mismatch": "a listed file's size differs from the manifest",
+    "artifact_digest_mismatch": "a listed file's sha256 differs from the manifest",
+    "manifest_missing": "the artifact has no manifest.json",
+    "manifest_malformed": "manifest.json is truncated, not JSON, or fails its schema",
+    "manifest_version_unsupported": "the manifest names a saved format version this loader does not read",
+    "manifest_disclosure_mismatch": "the manifest's counts or disclosures disagree with the records",
+    "record_file_malformed": "a records file is not JSON or not a table of its record kind",
+    "record_schema_invalid": "a record cell fails its typed schema",
+    "record_reference_invalid": "a record names a label, address or payload that does not exist",
+    "record_field_unencodable": "at save, a typed record field holds a value outside its type",
+    "blob_malformed": "a payload blob is not a well-formed safetensors file, or disagrees with its payload records",
+    "payload_codec_unavailable": "the payload codec the artifact names is not provided by an installed backend",
+    "callable_not_persisted": "a saved callable placeholder was called: artifacts never store code",
+    "safetensors_export_invalid": "a file read as a TorchLens safetensors export is malformed or of another schema",
 })
 
 

@@ -148,6 +148,12 @@ class Collection(Generic[R]):
     def _example_field(self) -> str:
         return "module" if self.kind in ("op", "layer") else (self._countable() or ["address"])[0]
 
+    def to_pandas(self) -> Any:
+        """One row per record, as a pandas DataFrame (needs pandas)."""
+        from torchlens.viz.tables import collection_dataframe
+
+        return collection_dataframe(self)
+
     def __repr__(self) -> str:
         labels = list(self._records)
         head = ", ".join(labels[:6]) + (", ..." if len(labels) > 6 else "")

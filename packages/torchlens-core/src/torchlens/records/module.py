@@ -130,6 +130,11 @@ class Module:
     def __repr__(self) -> str:
         return f"<Module {self.address} ({self.class_name}): {self.num_calls} call{'s' if self.num_calls != 1 else ''}>"
 
+    def _repr_html_(self) -> str:
+        from torchlens.viz.tables import module_html
+
+        return module_html(self)
+
 
 class Param:
     """A registered parameter: address, shape, dtype, trainability and the ops that read it."""

@@ -155,6 +155,11 @@ class Op:
         saved = "" if self.saved else ", not saved"
         return f"<Op {self.label}: {self.func_name}{where}, shape ({shape}), {self.dtype}{saved}>"
 
+    def _repr_html_(self) -> str:
+        from torchlens.viz.tables import op_html
+
+        return op_html(self)
+
 
 class Layer:
     """The ops that ran one place in the code: one per pass (`linear_1_1:1`, `:2`, ...).
@@ -248,3 +253,8 @@ class Layer:
     def __repr__(self) -> str:
         where = f" in {self.module}" if self.module and self.module != "self" else ""
         return f"<Layer {self.label}: {self.func_name}{where}, {self.num_passes} pass{'es' if self.num_passes != 1 else ''}>"
+
+    def _repr_html_(self) -> str:
+        from torchlens.viz.tables import layer_html
+
+        return layer_html(self)

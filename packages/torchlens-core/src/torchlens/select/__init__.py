@@ -6,6 +6,7 @@ from torchlens.select.selectors import (
     all_sites,
     as_selector,
     func,
+    grad,
     in_module,
     label,
     label_contains,
@@ -16,5 +17,5 @@ from torchlens.select.selectors import (
     where,
 )
 
-__all__ = ["Selection", "Selector", "all_sites", "as_selector", "func", "in_module", "label", "label_contains",
+__all__ = ["Selection", "Selector", "all_sites", "as_selector", "func", "grad", "in_module", "label", "label_contains",
            "label_matches", "model_input", "model_output", "module", "where"]

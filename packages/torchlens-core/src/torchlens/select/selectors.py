@@ -389,3 +389,42 @@ def as_selector(obj: Any) -> Selector:
 
 __all__ = ["Selector", "Selection", "func", "module", "in_module", "label", "label_contains", "label_matches",
            "all_sites", "where", "model_input", "model_output", "as_selector"]
+
+
+# gradient sites ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, repr=False)
+class GradSelector(Selector):
+    """The gradient at the ops its inner selector (or label) matches: `tl.grad('relu_3')`.
+
+    It resolves to the same ops as its inner selector; verbs that read gradients (saving,
+    `trace.backward`) read `op.grad` at them.
+    """
+
+    site: Any
+    kind = "grad"
+
+    def inner(self) -> Selector:
+        return as_selector(self.site)
+
+    def match_set(self, trace):
+        return self.inner().match_set(trace)
+
+    def __repr__(self):
+        return f"tl.grad({self.site!r})"
+
+
+def grad(site: Any) -> Selector:
+    """The gradient at `site` (a selector or a label); refuses nesting and containers."""
+    if isinstance(site, GradSelector):
+        raise SelectorCompositionError("grad_selector_nested", f"tl.grad cannot wrap another gradient selector ({site!r})",
+                                       remedy="use the inner selector once: tl.grad(site)", operand=repr(site))
+    if not isinstance(site, (str, Selector)):
+        raise SelectorCompositionError("grad_selector_inner_invalid",
+                                       f"tl.grad takes one selector or label, not {type(site).__name__}",
+                                       remedy="combine sites with | first: tl.grad(tl.label('a') | tl.label('b'))",
+                                       operand=repr(site))
+    return GradSelector(site)
+
+
+__all__ += ["GradSelector", "grad"]
