@@ -25,7 +25,9 @@ from torchlens.intervention import (
     replace_with,
     scale,
     steer,
+    subspace,
     swap_with,
+    units,
     when,
     zero_ablate,
 )
@@ -88,7 +90,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "trace", "validate", "CaptureOptions", "InterventionOptions", "Recipe", "when", "zero_ablate", "scale", "add",
     "clamp", "add_noise", "mean_ablate", "replace_with", "steer", "project_onto", "project_out", "clip_norm",
-    "patch_from", "swap_with", "errors", "options", "hookimpl",
+    "patch_from", "swap_with", "subspace", "units", "errors", "options", "hookimpl",
     "Trace", "Op", "Layer", "Module", "ModuleCall", "Param", "Buffer",
     "Selection", "Selector", "func", "grad", "module", "in_module", "label", "label_contains", "label_matches", "where",
     "model_input", "model_output", "all_sites", "__version__",

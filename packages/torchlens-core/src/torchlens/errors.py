@@ -230,6 +230,11 @@ _register("InterventionError", {
     "patch_source_invalid": "patch_from's source has no value at the site",
     "helper_tensor_changed_since_capture": "a tensor an edit holds changed after the edit was staged",
     "steer_direction_invalid": "a steering or projection direction has the wrong shape or dtype",
+    "subspace_basis_invalid": "a subspace basis is not a full-rank [k, d] matrix",
+    "subspace_edit_unsupported": "the verb has no subspace form",
+    "subspace_projection_composed": "a subspace site was composed or nested",
+    "affine_source_invalid": "set_affine_coordinates got a non-finite, non-float or mis-shaped W or bias",
+    "affine_source_needs_subspace": "set_affine_coordinates was used outside tl.subspace",
 })
 _register("AmbiguousAxisError", {
     "axis_ambiguous": "an edit's axis matches zero or several axes of the site; pass dim=",

@@ -22,9 +22,10 @@ from torchlens.intervention.edits import (
 )
 from torchlens.intervention.live import BoundModel, EditPlan
 from torchlens.intervention.recipe import Recipe, Rule, when
+from torchlens.intervention.subspace import SubspaceSite, UnitsSite, set_affine_coordinates, subspace, units
 
 __all__ = [
-    "Edit", "HookContext", "Recipe", "Rule", "BoundModel", "EditPlan", "when",
+    "Edit", "HookContext", "SubspaceSite", "UnitsSite", "set_affine_coordinates", "subspace", "units", "Recipe", "Rule", "BoundModel", "EditPlan", "when",
     "add", "add_noise", "clamp", "clip_norm", "hook", "mean_ablate", "patch_from", "project_onto", "project_out",
     "replace_with", "scale", "scramble_elements", "steer", "swap_with", "zero_ablate",
 ]

@@ -55,20 +55,19 @@ def _check_backend(proto: Any) -> None:
 
 
 def _plan(structure: Any, recipe: Recipe, ops: Any) -> tuple[dict[int, list[Edit]], dict[int, str], list]:
-    from torchlens.intervention.verbs import resolve_site
+    from torchlens.intervention.verbs import lower_rules
 
-    by_event: dict[int, list[Edit]] = {}
-    labels: dict[int, str] = {}
-    resolved = []
     for rule in recipe.rules:
         if rule.signal != "forward":
             raise InterventionError("bind_rule_unsupported", f"{rule.target!r} is a gradient site; live edits replace forward values",
                                     remedy="edit gradients with trace.do(tl.grad(site), edit, model=..., inputs=..., loss=...)")
-        site_labels = resolve_site(structure, rule.target)
-        resolved.append((rule, site_labels))
+    by_event: dict[int, list[Edit]] = {}
+    labels: dict[int, str] = {}
+    resolved = lower_rules(structure, list(recipe.rules))
+    for _rule, site_labels, applied, _source in resolved:
         for label in site_labels:
             op = structure._ops[label]
-            by_event.setdefault(op.event_id, []).append(rule.edit)
+            by_event.setdefault(op.event_id, []).append(applied)
             labels[op.event_id] = label
     return by_event, labels, resolved
 
@@ -95,7 +94,7 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
     _audit(st, "live", resolved)
     st["last_run"] = {"engine": "live", "hooks_fired": len(plan.fired),
                       "hooks_unfired": [labels[e] for e in by_event if e not in plan.fired]}
-    result.annotations["unmatched_capture_selectors"] = [repr(r.target) for r, lbs in resolved if not lbs]
+    result.annotations["unmatched_capture_selectors"] = [repr(r.target) for r, lbs, _, _ in resolved if not lbs]
     return result
 
 

@@ -45,5 +45,8 @@ class NumpyEditOps:
         dtype = None if like is None else np.asarray(like).dtype
         return np.asarray(v, dtype=dtype)
 
+    def where(self, mask: Any, a: Any, b: Any) -> Any:
+        return np.where(mask, a, b)
+
     def rng_state(self, state: Any) -> Any:
         return contextlib.nullcontext()

@@ -46,9 +46,10 @@ class Rule:
 
 
 def _check_site(site: Any) -> Any:
+    from torchlens.intervention.subspace import SubspaceSite, UnitsSite
     from torchlens.select.selectors import Selector
 
-    if isinstance(site, (str, Selector)):
+    if isinstance(site, (str, Selector, SubspaceSite, UnitsSite)):
         return site
     raise InterventionError("intervention_site_invalid", f"a site is a selector or a label, not {type(site).__name__}",
                             remedy="tl.when(tl.module('encoder.0'), edit) or tl.when('relu_1_2', edit)")

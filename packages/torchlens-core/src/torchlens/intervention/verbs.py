@@ -80,7 +80,7 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
                     remedy="Pass model= and inputs= to rerun with the edit armed, then call result.backward(loss), "
                     "or stage it with engine='set_only' and call trace.backward(loss) on this trace")
     # resolve every site before anything changes
-    resolved = [(r, resolve_site(trace, r.target)) for r in rules]
+    resolved = lower_rules(trace, rules)
     st = _state(trace)
     if engine == "set_only":
         _warn_root(trace, st)
@@ -102,9 +102,9 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
     from torchlens.intervention.replay import replay
 
     plan: dict[str, list[Edit]] = {}
-    for r, labels in resolved:
+    for r, labels, applied, _ in resolved:
         for label in labels:
-            plan.setdefault(label, []).append(r.edit)
+            plan.setdefault(label, []).append(applied)
     if not plan:
         _zero_fire(opts.on_zero_fire, "trace_zero_fire", rules)
     changed, reexecuted = replay(trace, plan)
@@ -135,12 +135,24 @@ def _warn_root(trace: Any, st: dict) -> None:
                       TraceMutationWarning, stacklevel=4)
 
 
+def lower_rules(trace: Any, rules: list[Rule]) -> list[tuple[Rule, list[str], Edit, str]]:
+    """(rule, op labels, edit to apply, audit source) for each rule; subspace and units
+    sites become their inner site with a projecting edit."""
+    from torchlens.intervention.subspace import lower
+
+    out = []
+    for r in rules:
+        site, applied, source = lower(r.target, r.edit)
+        out.append((r, resolve_site(trace, site), applied, source))
+    return out
+
+
 def _audit(st: dict, engine: str, resolved: list) -> None:
-    for r, labels in resolved:
+    for r, labels, applied, source in resolved:
         st["audit"].append({
-            "engine": engine, "edit": r.edit.name, "edit_identity": r.edit.identity(), "target": repr(r.target),
-            "signal": r.signal, "sites": [{"label": lb, "source": "direct"} for lb in labels], "fire_count": len(labels),
-            "status": "fired" if labels else "no_fire",
+            "engine": engine, "edit": r.edit.name, "applied": applied.name, "edit_identity": applied.identity(),
+            "target": repr(r.target), "signal": r.signal, "sites": [{"label": lb, "source": source} for lb in labels],
+            "fire_count": len(labels), "status": "fired" if labels else "no_fire",
         })
 
 

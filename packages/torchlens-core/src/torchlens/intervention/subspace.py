@@ -1,0 +1,196 @@
+"""Subspace edits: edit the component of a site's value inside the span of basis rows.
+
+With Q the (orthonormalised) basis rows, a coordinate verb acts on c = x Q^T and the site
+gets x + (edit(c) - c) Q; a value verb computes v = edit(x) and the site gets
+x + (v - x) Q^T Q (its component along the span becomes v's); the source verb
+`set_affine_coordinates(W, bias=b)` sets the coordinates to x W^T + b (LoReFT).
+`tl.units(site, mask)` restricts any edit to the elements where `mask` is True.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from torchlens.errors import InterventionError
+from torchlens.intervention.edits import Edit, HookContext
+
+#: Verbs that act on the coordinates c (the rest that are allowed act on values).
+COORDINATE_VERBS = frozenset({"zero_ablate", "scale", "clamp", "add_noise", "scramble_elements", "hook"})
+VALUE_VERBS = frozenset({"patch_from", "replace_with", "steer", "mean_ablate", "swap_with"})
+SOURCE_VERBS = frozenset({"set_affine_coordinates"})
+
+
+def _host(v: Any) -> np.ndarray:
+    if isinstance(v, np.ndarray):
+        return v
+    detach = getattr(v, "detach", None)
+    if detach is not None:
+        v = detach().cpu()
+        if str(v.dtype) == "torch.bfloat16":
+            v = v.float()
+        return v.numpy()
+    return np.asarray(v)
+
+
+def orthonormal_rows(basis: Any, atol: float = 0.0) -> tuple[np.ndarray, bool]:
+    """Float64 orthonormal rows spanning `basis`'s rows (Gram-Schmidt in row order, signs
+    kept); the flag says whether the rows had to be changed."""
+    b = np.asarray(_host(basis), dtype=np.float64)
+    if b.ndim == 1:
+        b = b[None, :]
+    if b.ndim != 2 or b.shape[0] == 0:
+        raise InterventionError("subspace_basis_invalid", f"a basis is a [k, d] matrix of rows, got shape {b.shape}",
+                                remedy="pass basis rows, e.g. R[:k] of a learned rotation")
+    b = np.where(np.abs(b) <= atol, 0.0, b)
+    if np.allclose(b @ b.T, np.eye(b.shape[0]), atol=1e-6):
+        return b, False
+    rows = []
+    for r in b:
+        v = r.copy()
+        for q in rows:
+            v -= (v @ q) * q
+        n = np.linalg.norm(v)
+        if n <= 1e-10:
+            raise InterventionError("subspace_basis_invalid", "the basis is rank-deficient",
+                                    remedy="pass linearly independent rows", rows=int(b.shape[0]))
+        rows.append(v / n)
+    return np.stack(rows), True
+
+
+@dataclass(frozen=True, eq=False)
+class UnitsSite:
+    """`tl.units(site, mask)`: the elements of a site where `mask` is True."""
+
+    site: Any
+    mask: Any
+
+    def __repr__(self) -> str:
+        return f"tl.units({self.site!r}, <mask {tuple(np.shape(_host(self.mask)))}>)"
+
+
+@dataclass(frozen=True, eq=False)
+class SubspaceSite:
+    """`tl.subspace(site, basis, origin=...)`: the component of a site along basis rows."""
+
+    site: Any
+    basis: Any
+    origin: str | None = None
+    method: str | None = None
+    atol: float = 0.0
+
+    def rows(self) -> tuple[np.ndarray, bool]:
+        return orthonormal_rows(self.basis, self.atol)
+
+    def __repr__(self) -> str:
+        return f"tl.subspace({self.site!r}, <basis {tuple(np.shape(_host(self.basis)))}>, origin={self.origin!r})"
+
+
+def units(site: Any, mask: Any) -> UnitsSite:
+    return UnitsSite(site, mask)
+
+
+def subspace(site: Any, basis: Any, *, origin: str | None = None, method: str | None = None, atol: float = 0.0) -> SubspaceSite:
+    if isinstance(site, SubspaceSite):
+        raise InterventionError("subspace_projection_composed", "a subspace of a subspace has no meaning",
+                                remedy="build one tl.subspace over the site")
+    orthonormal_rows(basis, atol)  # refuse a bad basis at construction
+    return SubspaceSite(site, basis, origin, method, atol)
+
+
+def set_affine_coordinates(weight: Any, *, bias: Any = None) -> Edit:
+    """The LoReFT source verb: under `tl.subspace(site, R.T)`, set the coordinates to W x + b."""
+    w = _host(weight)
+    if w.ndim != 2 or not np.issubdtype(w.dtype, np.floating) or not np.all(np.isfinite(w)):
+        raise InterventionError("affine_source_invalid", "set_affine_coordinates needs a finite float [k, d] weight",
+                                remedy="pass W of shape [k, d]")
+
+    def outside(v: Any, ctx: HookContext) -> Any:
+        raise InterventionError("affine_source_needs_subspace", "a [k, d] affine map only has meaning inside a subspace",
+                                remedy="trace.do(tl.subspace(site, R.T, origin=...), tl.intervention.set_affine_coordinates(W, bias=b))")
+
+    return Edit("set_affine_coordinates", (("weight", weight), ("bias", bias)), outside,
+                tensors=tuple(t for t in (weight, bias) if t is not None))
+
+
+def subspace_edit(sub: SubspaceSite, verb: Edit, mask: Any = None) -> Edit:
+    """The builtin `subspace_edit`: `verb` applied to the component of the value along
+    `sub`'s rows (restricted to `mask` when given)."""
+    q64, changed = sub.rows()
+    if verb.name not in COORDINATE_VERBS | VALUE_VERBS | SOURCE_VERBS and not (verb.name == "add"):
+        raise InterventionError("subspace_edit_unsupported", f"{verb.name} has no subspace form",
+                                remedy="apply it without tl.subspace, or use a coordinate or value verb")
+    if verb.name == "set_affine_coordinates":
+        w = np.asarray(_host(dict(verb.kwargs)["weight"]))
+        if w.shape != q64.shape:
+            raise InterventionError("affine_source_invalid", f"W has shape {w.shape}; the basis rows have {q64.shape}",
+                                    remedy="W and the basis rows must both be [k, d]")
+    rows_sha = hashlib.sha256(q64.tobytes()).hexdigest()
+
+    def fn(x: Any, ctx: HookContext) -> Any:
+        ops = ctx.ops
+        q = ops.asarray(q64, x)
+        c = x @ q.T
+        kind = _kind(verb)
+        if kind == "coordinate":
+            new_c = verb(c, ctx)
+            out = x + (new_c - c) @ q
+        elif kind == "source":
+            kw = dict(verb.kwargs)
+            w = ops.asarray(kw["weight"], x)
+            new_c = x @ w.T
+            if kw.get("bias") is not None:
+                new_c = new_c + ops.asarray(kw["bias"], x)
+            out = x + (new_c - c) @ q
+        else:
+            v = verb(x, ctx)
+            out = x + ((v - x) @ q.T) @ q
+        if mask is not None:
+            m = ops.asarray(_host(mask), None) if not hasattr(mask, "shape") else mask
+            out = ops.where(m, out, x)
+        return out
+
+    kwargs = (("verb", verb.name), ("verb_kwargs", verb.kwargs), ("rows_sha256", rows_sha), ("origin", sub.origin),
+              ("method", sub.method), ("orthonormalised", changed), ("rows", q64))
+    if mask is not None:
+        kwargs += (("mask", mask),)
+    portability = "builtin" if verb.portability == "builtin" else verb.portability
+    return Edit("subspace_edit", kwargs, fn, portability=portability, signal=verb.signal,
+                tensors=(sub.basis,) + verb.tensors)
+
+
+def units_edit(mask: Any, verb: Edit) -> Edit:
+    """`verb` applied only where `mask` is True."""
+
+    def fn(x: Any, ctx: HookContext) -> Any:
+        m = mask if hasattr(mask, "shape") and not isinstance(mask, np.ndarray) else ctx.ops.asarray(_host(mask), None)
+        return ctx.ops.where(m, verb(x, ctx), x)
+
+    return Edit("units_edit", (("verb", verb.name), ("verb_kwargs", verb.kwargs), ("mask", mask)), fn,
+                portability=verb.portability, signal=verb.signal, tensors=(mask,) + verb.tensors)
+
+
+def _kind(verb: Edit) -> str:
+    if verb.name in SOURCE_VERBS:
+        return "source"
+    if verb.name in COORDINATE_VERBS:
+        return "coordinate"
+    if verb.name == "add":
+        v = dict(verb.kwargs)["value"]
+        return "coordinate" if isinstance(v, (int, float)) else "value"
+    return "value"
+
+
+def lower(site: Any, edit: Edit) -> tuple[Any, Edit, str]:
+    """(plain site, edit to apply, audit source) for a subspace / units site."""
+    if isinstance(site, SubspaceSite):
+        inner, mask = site.site, None
+        if isinstance(inner, UnitsSite):
+            inner, mask = inner.site, inner.mask
+        return inner, subspace_edit(site, edit, mask), f"projection:{site.origin or 'unnamed basis'}"
+    if isinstance(site, UnitsSite):
+        return site.site, units_edit(site.mask, edit), "units"
+    return site, edit, "direct"
