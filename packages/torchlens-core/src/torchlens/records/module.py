@@ -118,6 +118,13 @@ class Module:
             )
         return self.calls[0].out
 
+    @property
+    def collapse_score(self) -> float:
+        """How strongly drawing prefers to fold this module into one box (higher first)."""
+        from torchlens.viz.collapse import collapse_score
+
+        return collapse_score(self)
+
     def __getitem__(self, key: str) -> Any:
         """`module[address]` is a descendant, `module["address:N"]` its call, a label what
         `trace[label]` gives (addresses are relative to this module)."""

@@ -257,6 +257,13 @@ class Trace:
 
         return draw_trace(self, path, **kwargs)
 
+    @property
+    def module_collapse_order(self) -> list[tuple[str, float]]:
+        """Every module's collapse priority, highest first."""
+        from torchlens.viz.collapse import module_collapse_order
+
+        return module_collapse_order(self)
+
     def to_pandas(self) -> Any:
         from torchlens.viz.tables import ops_dataframe
 
