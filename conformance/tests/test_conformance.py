@@ -23,7 +23,7 @@ def test_reference_cells_include_refusals_for_each_false_flag():
     ids = set(C.cells_for(ctx.proto))
     for flag, value in ctx.proto.capabilities().as_dict().items():
         assert (f"c1_refusal_{flag}" in ids) == (not value)
-    assert "c1_refusal_trace_option_intervene" in ids
+    assert "c1_refusal_trace_option_stop_after" in ids and "c1_refusal_trace_option_intervene" not in ids
 
 
 def test_validation_cell_catches_a_backend_that_does_not_validate(monkeypatch):

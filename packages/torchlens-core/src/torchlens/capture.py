@@ -56,10 +56,13 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
         _state.active = False
 
 
-#: Entry-point keywords of tl.trace beyond save= and capture= (which every backend takes).
+#: Keywords core itself handles for every backend (intervene= needs the interventions capability).
+CORE_TRACE_OPTIONS: tuple[str, ...] = ("intervene", "on_zero_fire")
+
+#: Entry-point keywords of tl.trace a backend declares in trace_options() or refuses.
 PUBLIC_TRACE_OPTIONS: tuple[str, ...] = (
-    "intervene", "stop_after", "storage", "narrate", "episode", "facets", "chunk_paths", "input_shape",
-    "on_zero_fire", "structure_only", "fastlog", "grad_options", "replay_rng", "materialize_payloads",
+    "stop_after", "storage", "narrate", "episode", "facets", "chunk_paths", "input_shape",
+    "structure_only", "fastlog", "grad_options", "replay_rng", "materialize_payloads",
 )
 
 #: trace option -> the capability flag it requests (refused with that flag's code when False).

@@ -139,6 +139,16 @@ class ReferenceBackend:
 
         return ReferenceEditOps()
 
+    def resolve_callable(self, qualname: str) -> Any:
+        """Saved op callables come back only from the reference framework's own ops."""
+        prefix = "torchlens_reference.ops."
+        if not qualname.startswith(prefix):
+            return None
+        from torchlens_reference import ops
+
+        f = getattr(ops, qualname[len(prefix):], None)
+        return f if callable(f) and getattr(f, "__module__", "") == "torchlens_reference.ops" else None
+
     def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
         """Bound-executor hooks: edit module outputs as the modules return."""
         from torchlens.intervention.edits import HookContext

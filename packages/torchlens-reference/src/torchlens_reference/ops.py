@@ -16,42 +16,71 @@ def _op(name, fn, *args, params=(), random=False):
     return out
 
 
+def _linear(a, w, b=None):
+    return a @ w.T if b is None else a @ w.T + b
+
+
+def _relu(a):
+    return np.maximum(a, 0).astype(a.dtype)
+
+
 def linear(x, weight, bias=None, *, params=()):
     if bias is None:
-        return _op("linear", lambda a, w: a @ w.T, x, weight, params=params)
-    return _op("linear", lambda a, w, b: a @ w.T + b, x, weight, bias, params=params)
+        return _op("linear", _linear, x, weight, params=params)
+    return _op("linear", _linear, x, weight, bias, params=params)
 
 
 def relu(x):
-    return _op("relu", lambda a: np.maximum(a, 0).astype(a.dtype), x)
+    return _op("relu", _relu, x)
+
+
+def _tanh(a):
+    return np.tanh(a)
 
 
 def tanh(x):
-    return _op("tanh", np.tanh, x)
+    return _op("tanh", _tanh, x)
+
+
+def _add(a, b):
+    return np.add(a, b)
 
 
 def add(a, b):
-    return _op("add", np.add, a, b)
+    return _op("add", _add, a, b)
+
+
+def _mul(a, b):
+    return np.multiply(a, b)
 
 
 def mul(a, b):
-    return _op("mul", np.multiply, a, b)
+    return _op("mul", _mul, a, b)
+
+
+def _matmul(a, b):
+    return np.matmul(a, b)
 
 
 def matmul(a, b):
-    return _op("matmul", np.matmul, a, b)
+    return _op("matmul", _matmul, a, b)
+
+
+def _softmax(a, axis=-1):
+    e = np.exp(a - a.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
 
 
 def softmax(x, axis=-1):
-    def _softmax(a):
-        e = np.exp(a - a.max(axis=axis, keepdims=True))
-        return e / e.sum(axis=axis, keepdims=True)
-
-    return _op("softmax", _softmax, x)
+    return _op("softmax", _softmax, x, axis)
 
 
-def zeros(shape, dtype=np.float32):
-    return _op("zeros", lambda: np.zeros(shape, dtype=dtype))
+def _zeros(shape, dtype="float32"):
+    return np.zeros(shape, dtype=dtype)
+
+
+def zeros(shape, dtype="float32"):
+    return _op("zeros", _zeros, tuple(shape), str(np.dtype(dtype)))
 
 
 _RNG = np.random.default_rng(0)
@@ -71,6 +100,10 @@ def set_rng_state(state: dict) -> None:
     _RNG.bit_generator.state = state
 
 
-def noise(shape, dtype=np.float32):
+def _noise(shape, dtype="float32"):
+    return _RNG.standard_normal(shape).astype(dtype)
+
+
+def noise(shape, dtype="float32"):
     """Standard-normal noise from the global stream: a random literal producer."""
-    return _op("noise", lambda: _RNG.standard_normal(shape).astype(dtype), random=True)
+    return _op("noise", _noise, tuple(shape), str(np.dtype(dtype)), random=True)

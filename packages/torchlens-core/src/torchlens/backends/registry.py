@@ -76,6 +76,11 @@ def select_backend(model: Any, args: tuple, kwargs: dict, backend: str | None = 
             spec = get_spec(backend)
             raise BackendUnsupportedError(code, f"the {backend} backend cannot run here ({code})",
                                           remedy=f'pip install "torchlens[{spec.framework.extra or backend}]"', backend=backend)
+        if not proto.can_handle(model, args, kwargs):
+            tname = f"{type(model).__module__}.{type(model).__qualname__}"
+            raise InvalidArgumentError("model_type_unsupported", f"the {backend} backend cannot trace a {tname}",
+                                       remedy="pass a model of that backend's framework, or omit backend=", model_type=tname,
+                                       backend=backend)
         return proto
     all_specs = specs()
     candidates = [s for s in all_specs.values() if any(m in sys.modules for m in s.modules)]

@@ -1,0 +1,19 @@
+"""Persistence: `.tlspec` save/load, payload codecs, format detection, safetensors export.
+
+`trace.save(path)` writes a `.tlspec` directory (saved format 3); `tl.load(path)` reads it
+back after checking all of it. Payloads travel through the backend's `PayloadCodec`
+(`backend.payload_codec()`, core's `NumpyCodec` otherwise); nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+from torchlens.io.bundle import load, save
+from torchlens.io.codec import DTYPE_ITEMSIZE, EncodedPayload, NumpyCodec, PayloadCodec, backend_codec
+from torchlens.io.compare import trace_differences
+from torchlens.io.detect import detect_tlspec_format
+from torchlens.io.manifest import FORMAT_VERSION
+from torchlens.io.trace_safetensors import SafetensorsTrace, read_safetensors, write_safetensors
+
+__all__ = ["save", "load", "detect_tlspec_format", "read_safetensors", "write_safetensors", "SafetensorsTrace",
+           "PayloadCodec", "EncodedPayload", "NumpyCodec", "DTYPE_ITEMSIZE", "backend_codec", "trace_differences",
+           "FORMAT_VERSION"]

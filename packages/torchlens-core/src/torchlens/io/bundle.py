@@ -1,0 +1,426 @@
+"""Trace.save and tl.load: the `.tlspec` directory of saved format 3.
+
+Layout::
+
+    <name>.tlspec/
+      manifest.json                 what this is; sha256 and size of every file below
+      records/<kind>.json           one typed table per record kind (io.schema.SCHEMAS)
+      blobs/payloads-<n>.safetensors  payload bytes, written through the backend's codec
+
+Saving writes everything into a temporary directory beside the target and publishes it with
+one rename (replacing an old artifact only after the new one is complete). Loading checks
+paths, the manifest, every file's size and digest, every record cell and every
+cross-reference before it builds the Trace: a refusal is a typed `ArtifactError`, and a
+trace is never returned half-loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from torchlens.errors import ArtifactError, TorchLensError
+from torchlens.io import blobfile
+from torchlens.io.codec import EncodedPayload, backend_codec, codec_named
+from torchlens.io.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, check_manifest, malformed, parse_json, render
+from torchlens.io.schema import RECORD_KINDS, SCHEMA_DIGEST, SCHEMAS, Decoder, Encoder, check_table, site_key
+
+LEVELS = ("full",)
+SHARD_BYTES = 64 * 1024 * 1024  # small enough that shards hash and write in parallel
+_MAX_RECORD_BYTES = 1024 * 1024 * 1024
+
+
+# save ---------------------------------------------------------------------------------------
+def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) -> Path:
+    """Write `trace` as a `.tlspec` directory at `path`; return the path."""
+    if level not in LEVELS:
+        raise ArtifactError("artifact_save_level_unsupported", f"level={level!r} is not one of {LEVELS}",
+                            remedy="save with level='full'", level=repr(level))
+    if not isinstance(overwrite, bool):
+        raise _arg("overwrite= takes True or False")
+    target = _as_path(path)
+    _check_save_target(target, overwrite)
+    codec = backend_codec(trace._backend) if trace._backend is not None else backend_codec(None)
+    enc = Encoder(codec)
+    tables = encode_tables(trace, enc)
+    shards = _shard(enc.payloads)
+    tables["payloads"] = {"schema": "tl.payloads/3", "columns": [c for c, _ in SCHEMAS["payloads"]], "rows": [
+        [key, blob, key, p.dtype, list(p.shape), dict(p.meta)] for blob, items in shards.items() for key, p in items]}
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "trace", "level": level,
+        "schema_digest": SCHEMA_DIGEST, "torchlens_version": _torchlens_version(),
+        "backend": {"name": trace.provenance.backend, "version": trace.provenance.backend_version,
+                    "framework_version": trace.provenance.framework_version},
+        "codec": codec.name,
+        "counts": {k: len(v["rows"]) for k, v in tables.items()},
+        "disclosures": {"unencodable_values": sum(enc.unencodable.values()), "unencodable_types": dict(enc.unencodable),
+                        "callable_placeholders": enc.callables, "output_not_stored": True},
+        "files": {},
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{secrets.token_hex(6)}"
+    try:
+        (tmp / "records").mkdir(parents=True)
+        (tmp / "blobs").mkdir()
+        files: dict[str, dict[str, Any]] = {}
+        for kind in RECORD_KINDS:
+            import hashlib
+            import json
+
+            data = json.dumps(tables[kind], separators=(",", ":"), allow_nan=False).encode("ascii")
+            name = f"records/{kind}.json"
+            (tmp / name).write_bytes(data)
+            files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+        def write(item: tuple[str, list[tuple[str, EncodedPayload]]]) -> tuple[str, int, str]:
+            name, entries = item
+            size, digest = blobfile.write_blob(str(tmp / name), entries, {"format": "tlspec-blob", "codec": codec.name})
+            return name, size, digest
+
+        workers = max(1, min(len(shards), os.cpu_count() or 1, 8))
+        with ThreadPoolExecutor(workers) as pool:
+            for name, size, digest in pool.map(write, shards.items()):
+                files[name] = {"sha256": digest, "size": size}
+        manifest["files"] = dict(sorted(files.items()))
+        (tmp / MANIFEST_NAME).write_bytes(render(manifest))
+        _publish(tmp, target, overwrite)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ArtifactError("artifact_write_failed", f"could not write {target}: {exc}",
+                            remedy="check the directory is writable and has space", path=str(target)) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _arg(msg: str) -> Exception:
+    from torchlens.errors import InvalidArgumentError
+
+    return InvalidArgumentError("invalid_argument", msg, remedy="overwrite=True or overwrite=False")
+
+
+def _as_path(path: Any) -> Path:
+    try:
+        return Path(os.fspath(path))
+    except TypeError:
+        raise _arg(f"path must be a str or os.PathLike, not {type(path).__name__}") from None
+
+
+def _torchlens_version() -> str:
+    import torchlens
+
+    return getattr(torchlens, "__version__", "0")
+
+
+def _check_save_target(target: Path, overwrite: bool) -> None:
+    if target.is_symlink():
+        raise ArtifactError("save_path_symlink_rejected", f"{target} is a symlink",
+                            remedy="save to the real path (a symlinked parent directory is fine)", path=str(target))
+    if not os.path.lexists(target):
+        return
+    if not overwrite:
+        raise ArtifactError("bundle_path_exists", f"{target} already exists",
+                            remedy="pass overwrite=True to replace it, or choose another path", path=str(target))
+    from torchlens.io.detect import detect_tlspec_format
+
+    if not target.is_dir() or detect_tlspec_format(target) == "unknown":
+        raise ArtifactError("bundle_path_not_artifact", f"{target} exists and is not a TorchLens artifact; refusing to replace it",
+                            remedy="choose another path or remove it yourself", path=str(target))
+
+
+def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        return
+    old = target.parent / f".{target.name}.old-{secrets.token_hex(6)}"
+    os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _shard(payloads: dict[str, EncodedPayload]) -> dict[str, list[tuple[str, EncodedPayload]]]:
+    shards: dict[str, list[tuple[str, EncodedPayload]]] = {}
+    cur: list[tuple[str, EncodedPayload]] = []
+    size = 0
+    for key, p in payloads.items():
+        if cur and size + p.array.nbytes > SHARD_BYTES:
+            shards[f"blobs/payloads-{len(shards):04d}.safetensors"] = cur
+            cur, size = [], 0
+        cur.append((key, p))
+        size += p.array.nbytes
+    if cur or not shards:
+        shards[f"blobs/payloads-{len(shards):04d}.safetensors"] = cur
+    return shards
+
+
+def _table(kind: str, rows: list[list[Any]]) -> dict[str, Any]:
+    return {"schema": f"tl.{kind}/3", "columns": [c for c, _ in SCHEMAS[kind]], "rows": rows}
+
+
+def _row(enc: Encoder, kind: str, values: dict[str, Any], index: int) -> list[Any]:
+    return [enc.cell(ctype, values[col], f"{kind}[{index}].{col}") for col, ctype in SCHEMAS[kind]]
+
+
+def _slot(obj: Any, name: str) -> Any:
+    return getattr(obj, name, None)
+
+
+def encode_tables(trace: Any, enc: Encoder) -> dict[str, dict[str, Any]]:
+    """Every record of `trace` as typed tables (payloads collected in `enc`)."""
+    prov, cost = trace.provenance, trace.cost
+    tables = {
+        "trace": _table("trace", [_row(enc, "trace", {"name": trace.name, "uncalled_modules": trace.uncalled_modules,
+                                                       "options": trace.options, "annotations": trace.annotations}, 0)]),
+        "provenance": _table("provenance", [_row(enc, "provenance", {c: getattr(prov, c) for c, _ in SCHEMAS["provenance"]}, 0)]),
+        "cost": _table("cost", [_row(enc, "cost", {c: getattr(cost, c) for c, _ in SCHEMAS["cost"]}, 0)]),
+    }
+    rows = []
+    for i, op in enumerate(trace._ops.values()):
+        vals = {c: _slot(op, c) for c, _ in SCHEMAS["ops"]}
+        vals["outputs"] = _slot(op, "_outputs") or ()
+        vals["site"] = site_key(vals["site"])
+        rows.append(_row(enc, "ops", vals, i))
+    tables["ops"] = _table("ops", rows)
+    tables["layers"] = _table("layers", [
+        _row(enc, "layers", {**{c: _slot(layer, c) for c, _ in SCHEMAS["layers"]}, "ops": [o.label for o in layer.ops]}, i)
+        for i, layer in enumerate(trace._layers.values())])
+    tables["modules"] = _table("modules", [
+        _row(enc, "modules", {**{c: _slot(m, c) for c, _ in SCHEMAS["modules"]}, "calls": [c.label for c in m.calls]}, i)
+        for i, m in enumerate(trace._modules.values())])
+    for kind, records in (("module_calls", trace._module_calls), ("params", trace._params), ("buffers", trace._buffers)):
+        tables[kind] = _table(kind, [_row(enc, kind, {c: _slot(r, c) for c, _ in SCHEMAS[kind]}, i)
+                                     for i, r in enumerate(records.values())])
+    return tables
+
+
+# load ---------------------------------------------------------------------------------------
+def load(path: Any, lazy: bool = False) -> Any:
+    """Load a `.tlspec` directory written by `Trace.save`, checking all of it first.
+
+    `lazy=True` maps the payload blobs (copy-on-write) instead of reading them into memory:
+    pages are read when a payload is first touched. Digests are checked up front either way.
+    """
+    if not isinstance(lazy, bool):
+        raise _arg("lazy= takes True or False")
+    return _open(_as_path(path), lazy, decode=True)
+
+
+def validate(path: Any) -> dict[str, Any]:
+    """Every check `load` makes, without decoding payloads or building the trace."""
+    bundle = _as_path(path)
+    _open(bundle, True, decode=False)
+    return read_manifest(bundle)
+
+
+def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
+    manifest = read_manifest(bundle)
+    files = manifest["files"]
+    _check_layout(bundle, files)
+    tables = {}
+    for kind in RECORD_KINDS:
+        name = f"records/{kind}.json"
+        data = _read_checked(bundle, name, files[name])
+        tables[kind] = check_table(kind, parse_json(data, name, "record_file_malformed"), name)
+    payload_rows = _payload_rows(tables["payloads"], files)
+    blobs = _read_blobs(bundle, files, lazy)
+    encoded = {}
+    for key, (blob, tensor, dtype, shape, meta) in payload_rows.items():
+        encoded[key] = blobfile.payload_from_storage(blobs[blob], tensor, dtype, shape, meta)
+    used = {(r[0], r[1]) for r in payload_rows.values()}
+    for bname, blob in blobs.items():
+        if any((bname, t) not in used for t in blob.entries):
+            raise ArtifactError("blob_malformed", f"{bname} holds tensors no payload record names",
+                                remedy="the artifact was modified; save the trace again", blob=bname)
+    codec = codec_named(manifest["codec"], manifest["backend"]["name"]) if encoded and decode else None
+    decoded: dict[str, Any] = {}
+    referenced: set[str] = set()
+
+    def payload(key: str, where: str) -> Any:
+        if key not in encoded:
+            raise ArtifactError("record_reference_invalid", f"{where} names payload {key!r}, which no payload record holds",
+                                remedy="the records are damaged; save the trace again", at=where)
+        referenced.add(key)
+        if codec is None:
+            return None
+        if key not in decoded:
+            try:
+                decoded[key] = codec.decode(encoded[key])  # type: ignore[union-attr]
+            except TorchLensError:
+                raise
+            except Exception as exc:
+                raise ArtifactError("blob_malformed", f"the {manifest['codec']} codec could not decode payload {key} "
+                                    f"({type(exc).__name__}: {exc})", remedy="the artifact is damaged; save it again",
+                                    payload=key) from exc
+        return decoded[key]
+
+    dec = Decoder(payload)
+    rows = {kind: [{col: dec.cell(ctype, cell, f"{kind}[{i}].{col}") for (col, ctype), cell in zip(SCHEMAS[kind], row)}
+                   for i, row in enumerate(tables[kind])] for kind in RECORD_KINDS if kind != "payloads"}
+    if set(encoded) - referenced:
+        raise ArtifactError("record_reference_invalid", "payload records exist that no record references",
+                            remedy="the records are damaged; save the trace again")
+    _check_disclosures(manifest, tables, dec)
+    from torchlens.io.rebuild import rebuild_trace
+
+    return rebuild_trace(rows, manifest, attach_backend=decode)
+
+
+def read_manifest(bundle: Path) -> dict[str, Any]:
+    """The checked manifest of a `.tlspec` directory (path rules first)."""
+    if bundle.is_symlink():
+        raise ArtifactError("load_path_symlink_rejected", f"{bundle} is a symlink",
+                            remedy="load the real path (a symlinked parent directory is fine)", path=str(bundle))
+    if not bundle.is_dir():
+        raise ArtifactError("artifact_not_found", f"{bundle} is not a directory",
+                            remedy="pass the .tlspec directory Trace.save wrote", path=str(bundle))
+    mpath = bundle / MANIFEST_NAME
+    if mpath.is_symlink():
+        raise ArtifactError("load_path_symlink_rejected", f"{mpath} is a symlink", remedy="artifacts hold no symlinks",
+                            path=str(mpath))
+    if not mpath.is_file():
+        from torchlens.io.detect import detect_tlspec_format
+
+        if os.path.lexists(mpath) is False and detect_tlspec_format(bundle) == "pre_3":
+            raise ArtifactError("manifest_version_unsupported", "this artifact was saved by torchlens 2.37 or earlier",
+                                remedy="load it with the torchlens version that wrote it", path=str(bundle))
+        raise ArtifactError("manifest_missing", f"{bundle} has no manifest.json",
+                            remedy="pass the .tlspec directory Trace.save wrote", path=str(bundle))
+    try:
+        with open(mpath, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise ArtifactError("artifact_read_failed", f"could not read {mpath}: {exc}", remedy="check permissions") from exc
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise malformed("is larger than any manifest torchlens writes")
+    manifest = check_manifest(parse_json(data, MANIFEST_NAME, "manifest_malformed"))
+    if manifest["kind"] != "trace":
+        raise ArtifactError("artifact_kind_unsupported", f"the artifact is a {manifest['kind'][:40]!r}, not a trace",
+                            remedy="tl.load reads traces", kind=manifest["kind"][:40])
+    if manifest["level"] not in LEVELS:
+        raise ArtifactError("artifact_save_level_unsupported", f"level {manifest['level'][:40]!r} is not readable here",
+                            remedy="save with level='full'", level=manifest["level"][:40])
+    if manifest["schema_digest"] != SCHEMA_DIGEST:
+        raise ArtifactError("manifest_version_unsupported", "the record schemas differ from saved format 3's",
+                            remedy="load it with the torchlens version that wrote it")
+    if set(manifest["counts"]) != set(RECORD_KINDS):
+        raise malformed("counts does not name every record kind")
+    for kind in RECORD_KINDS:
+        if f"records/{kind}.json" not in manifest["files"]:
+            raise malformed(f"does not list records/{kind}.json")
+    return manifest
+
+
+def _check_layout(bundle: Path, files: dict[str, Any]) -> None:
+    for sub in ("records", "blobs"):
+        d = bundle / sub
+        if d.is_symlink():
+            raise ArtifactError("load_path_symlink_rejected", f"{d} is a symlink", remedy="artifacts hold no symlinks",
+                                path=str(d))
+        if not d.is_dir():
+            raise ArtifactError("artifact_file_missing", f"{bundle} has no {sub}/ directory",
+                                remedy="the artifact is incomplete; save the trace again", file=sub)
+    for name, entry in files.items():
+        p = bundle / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            raise ArtifactError("artifact_file_missing", f"{name} is missing", remedy="the artifact is incomplete; save it again",
+                                file=name) from None
+        except OSError as exc:
+            raise ArtifactError("artifact_read_failed", f"could not stat {name}: {exc}", remedy="check permissions") from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise ArtifactError("load_path_symlink_rejected", f"{name} is a symlink", remedy="artifacts hold no symlinks",
+                                path=str(p))
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError("artifact_file_missing", f"{name} is not a regular file",
+                                remedy="the artifact is damaged; save it again", file=name)
+        if st.st_size != entry["size"]:
+            raise ArtifactError("artifact_size_mismatch", f"{name} is {st.st_size} bytes, the manifest says {entry['size']}",
+                                remedy="the file was truncated or modified; save the trace again", file=name)
+    for entry in os.scandir(bundle):
+        rel = entry.name
+        if rel == MANIFEST_NAME or (rel in ("records", "blobs") and entry.is_dir(follow_symlinks=False)):
+            if rel in ("records", "blobs"):
+                for sub in os.scandir(entry.path):
+                    name = f"{rel}/{sub.name}"
+                    if name not in files:
+                        code = "load_path_symlink_rejected" if sub.is_symlink() else "artifact_file_unlisted"
+                        raise ArtifactError(code, f"{name} is not listed in the manifest",
+                                            remedy="artifacts hold only the files their manifest lists", file=name)
+            continue
+        code = "load_path_symlink_rejected" if entry.is_symlink() else "artifact_file_unlisted"
+        raise ArtifactError(code, f"{rel} is not part of the artifact layout",
+                            remedy="artifacts hold only the files their manifest lists", file=rel)
+
+
+def _read_checked(bundle: Path, name: str, entry: dict[str, Any]) -> bytes:
+    import hashlib
+
+    if entry["size"] > _MAX_RECORD_BYTES:
+        raise malformed(f"gives {name} an implausible size")
+    try:
+        with open(bundle / name, "rb") as f:
+            data = f.read(entry["size"] + 1)
+    except OSError as exc:
+        raise ArtifactError("artifact_read_failed", f"could not read {name}: {exc}", remedy="check permissions") from exc
+    if len(data) != entry["size"]:
+        raise ArtifactError("artifact_size_mismatch", f"{name} changed size while being read",
+                            remedy="do not modify an artifact while loading it", file=name)
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise ArtifactError("artifact_digest_mismatch", f"{name}: sha256 differs from the manifest",
+                            remedy="the file was modified or damaged; save the trace again", file=name)
+    return data
+
+
+def _payload_rows(rows: list[list[Any]], files: dict[str, Any]) -> dict[str, tuple]:
+    out: dict[str, tuple] = {}
+    dec = Decoder(lambda k, w: None)
+    for i, row in enumerate(rows):
+        key, blob, tensor, dtype, shape, meta = (dec.cell(ct, cell, f"payloads[{i}].{c}")
+                                                 for (c, ct), cell in zip(SCHEMAS["payloads"], row))
+        if key in out:
+            raise ArtifactError("record_schema_invalid", f"payloads[{i}]: duplicate key {key!r}",
+                                remedy="the records are damaged; save the trace again", at=f"payloads[{i}].key")
+        if blob not in files or not blob.startswith("blobs/"):
+            raise ArtifactError("record_reference_invalid", f"payloads[{i}] names blob {blob!r}, which the manifest does not list",
+                                remedy="the records are damaged; save the trace again", at=f"payloads[{i}].blob")
+        if dtype not in blobfile.STORAGE:
+            raise ArtifactError("record_schema_invalid", f"payloads[{i}]: unknown dtype tag {dtype!r}",
+                                remedy="the records are damaged; save the trace again", at=f"payloads[{i}].dtype")
+        out[key] = (blob, tensor, dtype, shape, meta)
+    return out
+
+
+def _read_blobs(bundle: Path, files: dict[str, Any], lazy: bool) -> dict[str, blobfile.Blob]:
+    names = [n for n in files if n.startswith("blobs/")]
+
+    def read(name: str) -> blobfile.Blob:
+        try:
+            return blobfile.read_blob(str(bundle / name), name, files[name]["size"], files[name]["sha256"], lazy)
+        except OSError as exc:
+            raise ArtifactError("artifact_read_failed", f"could not read {name}: {exc}", remedy="check permissions") from exc
+
+    if len(names) <= 1:
+        return {n: read(n) for n in names}
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1, 8))) as pool:
+        return dict(zip(names, pool.map(read, names)))
+
+
+def _check_disclosures(manifest: dict[str, Any], tables: dict[str, list], dec: Decoder) -> None:
+    d = manifest["disclosures"]
+    counts = {k: len(v) for k, v in tables.items()}
+    if (manifest["counts"] != counts or d["unencodable_values"] != sum(dec.unencodable.values())
+            or d["unencodable_types"] != dec.unencodable or d["callable_placeholders"] != dec.callables
+            or d["output_not_stored"] is not True):
+        raise ArtifactError("manifest_disclosure_mismatch", "the manifest's counts or disclosures disagree with the records",
+                            remedy="the artifact was modified; save the trace again")
