@@ -71,8 +71,22 @@ _LAZY = {
 def load(path: Any, lazy: bool = False) -> Any:
     """Load a `.tlspec` directory written by `Trace.save` (checked in full before it returns).
     `lazy=True` maps payloads from disk on first read instead of reading them up front."""
+    import json
+    import os
+    from pathlib import Path
+
     from torchlens.io.bundle import load as _load
 
+    manifest = Path(os.fspath(path)) / "manifest.json"
+    try:
+        kind = json.loads(manifest.read_bytes()).get("kind") if manifest.is_file() and not manifest.is_symlink() else None
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    if kind in ("recipe", "intervention"):
+        from torchlens.io.intervention import load_intervention_spec
+
+        spec = load_intervention_spec(path)
+        return spec.recipe if kind == "recipe" else spec
     return _load(path, lazy=lazy)
 
 

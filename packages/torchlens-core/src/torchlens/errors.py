@@ -231,6 +231,8 @@ _register("InterventionError", {
     "helper_tensor_changed_since_capture": "a tensor an edit holds changed after the edit was staged",
     "steer_direction_invalid": "a steering or projection direction has the wrong shape or dtype",
     "subspace_basis_invalid": "a subspace basis is not a full-rank [k, d] matrix",
+    "intervention_spec_not_portable": "a rule runs user or session code (or a predicate), which a portable spec cannot hold",
+    "run_intervention_spec_not_persisted": "a loaded rule's edit is a placeholder for user code that was never saved",
     "subspace_edit_unsupported": "the verb has no subspace form",
     "subspace_projection_composed": "a subspace site was composed or nested",
     "affine_source_invalid": "set_affine_coordinates got a non-finite, non-float or mis-shaped W or bias",
@@ -268,6 +270,11 @@ _register("ArtifactError", {
     "payload_codec_unavailable": "the payload codec the artifact names is not provided by an installed backend",
     "callable_not_persisted": "a saved callable placeholder was called: artifacts never store code",
     "safetensors_export_invalid": "a file read as a TorchLens safetensors export is malformed or of another schema",
+    "recipe_audit_only": "a saved recipe holds callable placeholders and cannot be rebuilt",
+    "recipe_record_malformed": "a saved intervention or recipe record is hand-edited or foreign",
+    "subspace_spec_invalid": "a saved subspace basis or mask is malformed",
+    "subspace_spec_basis_tampered": "saved subspace rows changed after saving",
+    "subspace_spec_basis_not_orthonormal": "saved subspace rows are not orthonormal",
 })
 
 

@@ -93,6 +93,12 @@ class Recipe:
             h.update(b"\n")
         return h.hexdigest()
 
+    def save(self, path: Any, level: str = "portable", overwrite: bool = False) -> Any:
+        """Write the rules alone as a `.tlspec` directory of kind "recipe"; `tl.load` reads it back."""
+        from torchlens.io.intervention import save_intervention
+
+        return save_intervention(self, path, level=level, overwrite=overwrite, kind="recipe")
+
     def bind(self, model: Any, *, backend: str | None = None, on_zero_fire: str = "warn") -> Any:
         from torchlens.intervention.live import BoundModel
 

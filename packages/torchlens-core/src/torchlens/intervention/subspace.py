@@ -120,6 +120,13 @@ def subspace_edit(sub: SubspaceSite, verb: Edit, mask: Any = None) -> Edit:
     """The builtin `subspace_edit`: `verb` applied to the component of the value along
     `sub`'s rows (restricted to `mask` when given)."""
     q64, changed = sub.rows()
+    return subspace_edit_from_rows(q64, verb, mask=mask, origin=sub.origin, method=sub.method, orthonormalised=changed,
+                                   basis=sub.basis)
+
+
+def subspace_edit_from_rows(q64: np.ndarray, verb: Edit, *, mask: Any = None, origin: str | None = None,
+                            method: str | None = None, orthonormalised: bool = False, basis: Any = None) -> Edit:
+    """`subspace_edit` over float64 orthonormal rows `q64` (also how a saved spec is rebuilt)."""
     if verb.name not in COORDINATE_VERBS | VALUE_VERBS | SOURCE_VERBS and not (verb.name == "add"):
         raise InterventionError("subspace_edit_unsupported", f"{verb.name} has no subspace form",
                                 remedy="apply it without tl.subspace, or use a coordinate or value verb")
@@ -128,7 +135,7 @@ def subspace_edit(sub: SubspaceSite, verb: Edit, mask: Any = None) -> Edit:
         if w.shape != q64.shape:
             raise InterventionError("affine_source_invalid", f"W has shape {w.shape}; the basis rows have {q64.shape}",
                                     remedy="W and the basis rows must both be [k, d]")
-    rows_sha = hashlib.sha256(q64.tobytes()).hexdigest()
+    rows_sha = hashlib.sha256(np.ascontiguousarray(q64).tobytes()).hexdigest()
 
     def fn(x: Any, ctx: HookContext) -> Any:
         ops = ctx.ops
@@ -153,13 +160,12 @@ def subspace_edit(sub: SubspaceSite, verb: Edit, mask: Any = None) -> Edit:
             out = ops.where(m, out, x)
         return out
 
-    kwargs = (("verb", verb.name), ("verb_kwargs", verb.kwargs), ("rows_sha256", rows_sha), ("origin", sub.origin),
-              ("method", sub.method), ("orthonormalised", changed), ("rows", q64))
+    kwargs = (("verb", verb.name), ("verb_kwargs", verb.kwargs), ("rows_sha256", rows_sha), ("origin", origin),
+              ("method", method), ("orthonormalised", orthonormalised), ("rows", q64))
     if mask is not None:
         kwargs += (("mask", mask),)
-    portability = "builtin" if verb.portability == "builtin" else verb.portability
-    return Edit("subspace_edit", kwargs, fn, portability=portability, signal=verb.signal,
-                tensors=(sub.basis,) + verb.tensors)
+    tensors = ((basis,) if basis is not None else ()) + verb.tensors
+    return Edit("subspace_edit", kwargs, fn, portability=verb.portability, signal=verb.signal, tensors=tensors)
 
 
 def units_edit(mask: Any, verb: Edit) -> Edit:

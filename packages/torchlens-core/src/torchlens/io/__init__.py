@@ -11,9 +11,10 @@ from torchlens.io.bundle import load, save
 from torchlens.io.codec import DTYPE_ITEMSIZE, EncodedPayload, NumpyCodec, PayloadCodec, backend_codec
 from torchlens.io.compare import trace_differences
 from torchlens.io.detect import detect_tlspec_format
+from torchlens.io.intervention import InterventionSpec, load_intervention_spec, save_intervention
 from torchlens.io.manifest import FORMAT_VERSION
 from torchlens.io.trace_safetensors import SafetensorsTrace, read_safetensors, write_safetensors
 
 __all__ = ["save", "load", "detect_tlspec_format", "read_safetensors", "write_safetensors", "SafetensorsTrace",
            "PayloadCodec", "EncodedPayload", "NumpyCodec", "DTYPE_ITEMSIZE", "backend_codec", "trace_differences",
-           "FORMAT_VERSION"]
+           "FORMAT_VERSION", "save_intervention", "load_intervention_spec", "InterventionSpec"]
