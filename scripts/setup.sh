@@ -15,7 +15,7 @@ if ! command -v dot >/dev/null 2>&1; then
     echo "setup: graphviz 'dot' not found; install it for rendered drawings (apt-get install graphviz)" >&2
   fi
 fi
-MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-reference conformance"
+MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference conformance"
 stamp=.venv/.torchlens-setup
 want=$(cat constraints.txt requirements-dev.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -1,0 +1,289 @@
+"""`JAXBackend`: the BackendProtocol implementation for JAX (preview).
+
+A capture traces the model once with `jax.make_jaxpr` (parameters and buffers passed as
+explicit arguments, every module call inside a marker `jax.named_scope`), then evaluates
+the jaxpr equation by equation on the real values (`torchlens_jax.interpret`), emitting
+core events. Core's builder turns them into the Trace.
+
+Randomness: JAX has no hidden random state. A forward that draws random numbers takes its
+key as an input (or holds it as a buffer), the key is recorded like any other value, and
+the random primitives (`random_bits`, `threefry2x32`, ...) replay exactly from it. So the
+capture consumes no randomness of its own and `seed=` has nothing to seed: it refuses with
+`explicit_seed_unsupported`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Hashable
+
+import jax
+import numpy as np
+
+from torchlens.backends import BackendCapabilities, BackendUnsupportedError, ValidationStatus
+from torchlens.build import EventLog, OpEvent, build_trace
+from torchlens.build.save import apply_save, save_plan
+from torchlens.errors import InvalidArgumentError, TraceCaptureError
+from torchlens.records.trace import Provenance
+from torchlens_jax import __version__
+from torchlens_jax.describe import Description, describe, model_kind
+from torchlens_jax.interpret import Interpreter, Traced, shape_dtype
+from torchlens_jax.plugin import FRAMEWORK
+from torchlens_jax.scopes import CallTable, Recorder, module_scopes
+
+_FOREIGN = {"torch", "tensorflow", "keras", "paddle", "mlx", "tinygrad"}
+_TRACE_CACHE: OrderedDict[Hashable, Traced] = OrderedDict()
+_TRACE_CACHE_MAX = 64
+_TRACE_LOCK = threading.Lock()
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[tuple[str, Any]], list[Any], list[int], Any]:
+    """(path, array) for each array leaf of the call, every leaf, array positions, treedef."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    n_arrays = sum(1 for _, leaf in flat if _is_array(leaf))
+    out, positions = [], []
+    for i, (path, leaf) in enumerate(flat):
+        top = type(leaf).__module__.split(".")[0]
+        if top in _FOREIGN:
+            raise BackendUnsupportedError("foreign_tensor_input", f"input {jax.tree_util.keystr(path)} is a {top} value",
+                                          remedy="pass jax arrays (or numpy arrays) to a JAX model", framework=top)
+        if _is_array(leaf):
+            out.append((_path_text(path, n_arrays), leaf))
+            positions.append(i)
+    return out, [leaf for _, leaf in flat], positions, treedef
+
+
+def _path_text(path: tuple, n_arrays: int) -> str:
+    """`x` for a lone positional array, else `args[i]...` / `kwargs['k']...`."""
+    first = path[0].idx if hasattr(path[0], "idx") else 0
+    rest = jax.tree_util.keystr(tuple(path[2:]))
+    if first == 0:
+        idx = path[1].idx if hasattr(path[1], "idx") else path[1]
+        if n_arrays == 1 and idx == 0 and not rest:
+            return "x"
+        return f"args[{idx}]{rest}"
+    key = path[1].key if hasattr(path[1], "key") else path[1]
+    return f"kwargs[{key!r}]{rest}"
+
+
+def _output_paths(out: Any) -> list[tuple[str, Any]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(out)
+    if len(flat) == 1 and not flat[0][0]:
+        return [("output", flat[0][1])]
+    return [(f"output{jax.tree_util.keystr(p)}", leaf) for p, leaf in flat]
+
+
+def _static_key(leaves: list[Any], positions: list[int]) -> Hashable | None:
+    pos = set(positions)
+    statics = tuple(leaf for i, leaf in enumerate(leaves) if i not in pos)
+    try:
+        hash(statics)
+    except TypeError:
+        return None
+    return statics
+
+
+def trace_model(desc: Description, model: Any, all_leaves: list[Any], positions: list[int], treedef: Any,
+                arrays: list[Any]) -> Traced:
+    """Trace the model to a closed jaxpr (cached by model structure and input types)."""
+    statics = _static_key(all_leaves, positions)
+    key = None
+    if desc.cache_key is not None and statics is not None:
+        key = (desc.cache_key, treedef, statics, tuple(positions),
+               tuple((tuple(a.shape), str(a.dtype), type(a).__name__) for a in arrays))
+        with _TRACE_LOCK:
+            hit = _TRACE_CACHE.get(key)
+            if hit is not None:
+                _TRACE_CACHE.move_to_end(key)
+                return hit
+    table = CallTable()
+    recorder = Recorder(table)
+
+    def traced(leaves: list[Any], xs: list[Any]) -> Any:
+        full = list(all_leaves)
+        for p, x in zip(positions, xs):
+            full[p] = x
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        m = desc.rebuild(leaves)
+        recorder.addr_of = {id(obj): (addr or "self") for addr, obj in desc.modules_of(m)}
+        with recorder.call(m, "self"):
+            return m(*args, **kwargs)
+
+    modules = [obj for _, obj in desc.modules_of(model)]
+    with module_scopes(modules, recorder):
+        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(list(desc.leaves), list(arrays))
+    result = Traced(closed, jax.tree_util.tree_structure(out_shape), table, len(desc.leaves))
+    if key is not None:
+        with _TRACE_LOCK:
+            _TRACE_CACHE[key] = result
+            if len(_TRACE_CACHE) > _TRACE_CACHE_MAX:
+                _TRACE_CACHE.popitem(last=False)
+    return result
+
+
+def clear_trace_cache() -> None:
+    with _TRACE_LOCK:
+        _TRACE_CACHE.clear()
+
+
+class JAXBackend:
+    """BackendProtocol implementation for JAX: plain functions, flax.nnx and equinox modules."""
+
+    name = "jax"
+    maturity = "preview"
+    framework = FRAMEWORK
+    materialization = "eager"
+    _OPTIONS = frozenset({"save", "capture"})
+    _REFUSALS = frozenset({
+        "trace_option_unsupported", "explicit_seed_unsupported", "backward_capture_unsupported",
+        "fastlog_unsupported", "interventions_unsupported", "rng_replay_unsupported", "streaming_unsupported",
+        "structure_only_capture_unsupported", "intermediate_derived_grads_unsupported", "runtime_missing",
+        "runtime_version_unsupported", "foreign_tensor_input", "value_dependent_branch_unsupported",
+        "validation_replay_unsupported",
+    })
+
+    # identity -----------------------------------------------------------------------------------
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(validation_replay=True, payload_materialization=True)
+
+    def runtime_available(self) -> str | None:
+        cached = self.__dict__.get("_runtime")
+        if cached is not None:
+            return cached[0]
+        code = self._runtime_check()
+        self.__dict__["_runtime"] = (code,)
+        return code
+
+    def _runtime_check(self) -> str | None:
+        try:
+            version = FRAMEWORK.installed_version()
+            if version is None:
+                return "runtime_missing"
+            return None if FRAMEWORK.contains(version) else "runtime_version_unsupported"
+        except Exception:  # noqa: BLE001 - never raises, by contract
+            return "runtime_missing"
+
+    def trace_options(self) -> frozenset[str]:
+        return self._OPTIONS
+
+    def refusal_codes(self) -> frozenset[str]:
+        return self._REFUSALS
+
+    # values ---------------------------------------------------------------------------------------
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, jax.Array)
+
+    def host_copy(self, value: Any) -> np.ndarray:
+        """A NumPy copy with shape and dtype kept (0-d stays 0-d); typed PRNG keys are
+        copied as their raw key data."""
+        if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            value = jax.random.key_data(value)
+        return np.array(value, copy=True)
+
+    def from_host(self, values: Any, like: Any = None) -> Any:
+        """A jax.Array holding `values` (dtype of `like` when given)."""
+        return jax.numpy.asarray(values, dtype=None if like is None else like.dtype)
+
+    def payload_codec(self) -> Any:
+        """The codec `trace.save` / `tl.load` use for this backend's payloads."""
+        from torchlens_jax.codec import JaxCodec
+
+        return JaxCodec()
+
+    def realize_once(self, values: Any) -> Any:
+        return values  # eager: every value is concrete when recorded
+
+    # capture ----------------------------------------------------------------------------------------
+    def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
+        """flax.nnx and equinox modules always (a foreign input then refuses typed in capture);
+        a plain callable when its inputs hold a JAX or NumPy array and no other framework's."""
+        kind = model_kind(model)
+        if kind in ("nnx", "equinox"):
+            return True
+        if kind != "function":
+            return False
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        if any(type(x).__module__.split(".")[0] in _FOREIGN for x in leaves):
+            return False
+        return any(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+
+    def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
+        return model(*args, **kwargs)
+
+    def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None, **options: Any) -> Any:
+        unknown = sorted(set(options) - self._OPTIONS)
+        if unknown:
+            raise BackendUnsupportedError("trace_option_unsupported", f"the jax backend has no trace option {unknown[0]!r}",
+                                          remedy=f"its options: {', '.join(sorted(self._OPTIONS))}", option=unknown[0])
+        if capture is not None and capture.seed is not None:
+            raise BackendUnsupportedError("explicit_seed_unsupported", "seed= on the preview jax backend",
+                                          remedy="JAX randomness is explicit: pass the PRNG key as an input")
+        if capture is not None and (capture.backward_ready or capture.save_grads):
+            raise BackendUnsupportedError("backward_capture_unsupported", "the jax backend records no gradients",
+                                          remedy="drop backward_ready/save_grads, or use jax.grad on the model yourself")
+        plan = save_plan(save)
+        if model_kind(model) is None:
+            raise InvalidArgumentError("model_type_unsupported", f"the jax backend cannot trace a {type(model).__name__}",
+                                       remedy="pass a JAX function, a flax.nnx.Module or an equinox.Module",
+                                       model_type=type(model).__name__)
+        inputs, all_leaves, positions, treedef = _input_leaves(args, kwargs)
+        desc = describe(model)
+        start = time.perf_counter()
+        prov = Provenance("jax", backend_version=__version__, framework_version=jax.__version__, model_class=desc.root_class,
+                          start_time=time.time(), root_entry_point="function" if desc.kind == "function" else "module")
+        prov.extra["model_kind"] = desc.kind
+        arrays = [x for _, x in inputs]
+        log = EventLog()
+        try:
+            traced = trace_model(desc, model, all_leaves, positions, treedef, arrays)
+            interp = Interpreter(traced, log, desc.addresses, desc.is_param)
+            outs = interp.run(list(desc.leaves), inputs)
+        except BackendUnsupportedError:
+            raise
+        except Exception as exc:
+            partial = build_trace(desc.info, log, output_state="output_forward_failed", provenance=prov, backend=self)
+            raise TraceCaptureError("forward_failed", f"the forward raised {type(exc).__name__}: {exc}",
+                                    remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
+                                    partial_trace=partial) from exc
+        values = [v for v, _ in outs]
+        output = jax.tree_util.tree_unflatten(traced.out_tree, values)
+        for (path, leaf), (_, src) in zip(_output_paths(output), outs):
+            ref = interp._materialize(src, 0) if src[0] in ("const", "buffer") else src
+            parents = ((ref[1], ref[2]),) if ref[0] == "ev" else ()
+            i = log.new_id()
+            shape, dtype = shape_dtype(leaf)
+            log.append(OpEvent(i, "output", "output", parents=parents, outputs=(leaf,), shapes=(shape,), dtypes=(dtype,), path=path,
+                               meta={"param": ref[1]} if ref[0] == "param" else {}))
+        interp.finish_module_calls(log.events)
+        prov.duration = time.perf_counter() - start
+        prov.end_time = time.time()
+        prov.extra["num_equations"] = len(traced.closed.jaxpr.eqns)
+        trace = build_trace(desc.info, log, output=output, provenance=prov, options=capture, backend=self)
+        trace.cost.forward_duration = prov.duration
+        apply_save(trace, plan)
+        return trace
+
+    # validation ---------------------------------------------------------------------------------------
+    def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
+        from torchlens_jax.validate import validate_trace
+
+        return validate_trace(self, trace, ground_truth)
+
+
+_BACKEND: JAXBackend | None = None
+
+
+def get_backend() -> JAXBackend:
+    global _BACKEND
+    if _BACKEND is None:
+        _BACKEND = JAXBackend()
+    return _BACKEND
+
+
+__all__ = ["JAXBackend", "get_backend", "trace_model", "clear_trace_cache"]
