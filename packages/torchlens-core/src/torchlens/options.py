@@ -62,6 +62,32 @@ class CaptureOptions:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class TraceOptions:
+    """`trace.options`: the stored snapshot of how a capture ran, with effective values
+    (an implied `inference_only` is filled in) plus the payload selection it used."""
+
+    save: str = "all"
+    structure_only: bool = False
+    save_mode: str = "copy"
+    output_device: str = "same"
+    detach_saved_activations: bool = False
+    inference_only: bool | None = None
+    backward_ready: bool = False
+    save_grads: bool = False
+    carry_state: bool = False
+    seed: int | None = None
+    on_nonfinite: str = "ignore"
+
+    @classmethod
+    def from_capture(cls, opts: CaptureOptions, *, save: str, structure_only: bool, **effective: Any) -> "TraceOptions":
+        values = {**opts.as_dict(), **effective}
+        return cls(save=save, structure_only=structure_only, **values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 _ENGINES = ("replay", "rerun", "set_only")
 _ZERO_FIRE = ("warn", "error", "disclose")
 
@@ -88,4 +114,4 @@ class InterventionOptions:
                                        remedy="'warn', 'error' or 'disclose'")
 
 
-__all__ = ["CaptureOptions", "InterventionOptions"]
+__all__ = ["CaptureOptions", "InterventionOptions", "TraceOptions"]

@@ -61,15 +61,48 @@ class TorchCodec:
             meta["requires_grad"] = "1"
         return EncodedPayload(arr, tag, tuple(int(d) for d in value.shape), meta)
 
+    def encode_literal(self, value: Any) -> tuple[str, Any] | None:
+        """torch literals that appear in argument templates, as (kind, plain value)."""
+        if isinstance(value, torch.Size):
+            return "torch.Size", tuple(int(d) for d in value)
+        if isinstance(value, torch.dtype):
+            return "torch.dtype", str(value).rpartition(".")[2]
+        if isinstance(value, torch.device):
+            return "torch.device", str(value)
+        if isinstance(value, torch.layout):
+            return "torch.layout", str(value).rpartition(".")[2]
+        if isinstance(value, torch.memory_format):
+            return "torch.memory_format", str(value).rpartition(".")[2]
+        return None
+
+    def decode_literal(self, kind: str, plain: Any) -> Any:
+        if kind == "torch.Size" and isinstance(plain, tuple) and all(type(d) is int for d in plain):
+            return torch.Size(plain)
+        if kind == "torch.device" and isinstance(plain, str):
+            return torch.device(plain)
+        if kind in ("torch.dtype", "torch.layout", "torch.memory_format") and isinstance(plain, str) and plain.isidentifier():
+            value = getattr(torch, plain, None)
+            expected = {"torch.dtype": torch.dtype, "torch.layout": torch.layout, "torch.memory_format": torch.memory_format}[kind]
+            return value if isinstance(value, expected) else None
+        return None
+
     def decode(self, payload: EncodedPayload) -> Any:
         dtype = _FROM_TAG[payload.dtype]
         arr = payload.array
+        if arr.size and arr.ctypes.data % 64:
+            # a view into the blob at an unaligned offset: CPU kernels choose other code paths
+            # (and round differently) for unaligned data, and some refuse it outright, so the
+            # payload gets its own storage (numpy copies unaligned data safely; torch then
+            # re-allocates it on its 64-byte boundary)
+            arr = np.array(arr, copy=True)
         if payload.dtype in _VIEW_FOR:
             np_view, torch_view = _VIEW_FOR[payload.dtype]
             t = torch.from_numpy(np.asarray(arr).view(np_view)).view(dtype)
         else:
             t = torch.from_numpy(np.asarray(arr))
         t = t.reshape(payload.shape)
+        if t.numel() and t.data_ptr() % 64:
+            t = t.clone()
         if payload.meta.get("parameter") == "1":
             return torch.nn.Parameter(t, requires_grad=payload.meta.get("requires_grad") == "1")
         if payload.meta.get("requires_grad") == "1" and (t.is_floating_point() or t.is_complex()):

@@ -121,7 +121,10 @@ def _reexecute(trace: Any, op: Any, ev2label: dict, changed: dict, ops: Any) -> 
 
     args = _fill(op.args_template, fill)
     kwargs = _fill(op.kwargs_template or {}, fill)
-    if op.is_inplace and args:
+    prepare = getattr(ops, "replay_args", None)
+    if prepare is not None:  # the backend knows which arguments an op writes into
+        args, kwargs = prepare(op, tuple(args), dict(kwargs))
+    elif op.is_inplace and args:
         args = (ops.clone(args[0]),) + tuple(args[1:])
     state = op.meta.get("rng_state")
     try:

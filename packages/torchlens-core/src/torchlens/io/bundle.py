@@ -263,7 +263,13 @@ def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
                                     payload=key) from exc
         return decoded[key]
 
-    dec = Decoder(payload)
+    literal_codec = codec
+    if literal_codec is None and decode:
+        try:
+            literal_codec = codec_named(manifest["codec"], manifest["backend"]["name"])
+        except TorchLensError:
+            literal_codec = None
+    dec = Decoder(payload, getattr(literal_codec, "decode_literal", None))
     rows = {kind: [{col: dec.cell(ctype, cell, f"{kind}[{i}].{col}") for (col, ctype), cell in zip(SCHEMAS[kind], row)}
                    for i, row in enumerate(tables[kind])] for kind in RECORD_KINDS if kind != "payloads"}
     if set(encoded) - referenced:

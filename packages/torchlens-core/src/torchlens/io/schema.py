@@ -64,7 +64,7 @@ RECORD_KINDS: tuple[str, ...] = tuple(SCHEMAS)
 SCHEMA_DIGEST = hashlib.sha256(json.dumps(SCHEMAS, sort_keys=True).encode()).hexdigest()
 MAX_DEPTH = 64
 _MARKERS = {"$tuple", "$dict", "$float", "$argref", "$payload", "$np", "$slice", "$ellipsis", "$complex", "$bytes",
-            "$capture_options", "$unencodable", "$callable"}
+            "$capture_options", "$trace_options", "$unencodable", "$callable", "$literal"}
 
 
 def _invalid(where: str, why: str) -> ArtifactError:
@@ -141,10 +141,16 @@ class Encoder:
             return {"$complex": [self.value(v.real, where, depth + 1), self.value(v.imag, where, depth + 1)]}
         if t is bytes:
             return {"$bytes": v.hex()}
-        from torchlens.options import CaptureOptions
+        from torchlens.options import CaptureOptions, TraceOptions
 
-        if t is CaptureOptions:
-            return {"$capture_options": {f.name: self.value(getattr(v, f.name), where, depth + 1) for f in dc_fields(v)}}
+        if t is CaptureOptions or t is TraceOptions:
+            tag = "$capture_options" if t is CaptureOptions else "$trace_options"
+            return {tag: {f.name: self.value(getattr(v, f.name), where, depth + 1) for f in dc_fields(v)}}
+        lit = getattr(self.codec, "encode_literal", None)
+        if lit is not None:
+            found = lit(v)  # a framework literal (a dtype, a shape type): (kind, plain value)
+            if found is not None:
+                return {"$literal": [found[0], self.value(found[1], where, depth + 1)]}
         if callable(v) and hasattr(v, "__qualname__"):
             self.callables += 1
             return {"$callable": CallablePlaceholder.describe(v)}
@@ -264,8 +270,9 @@ class Decoder:
     """Reads cells of one table, checking each against its column type. `payload(key)`
     returns the decoded payload (shared for a shared key)."""
 
-    def __init__(self, payload: Callable[[str, str], Any]) -> None:
+    def __init__(self, payload: Callable[[str, str], Any], literal: Callable[[str, Any], Any] | None = None) -> None:
         self.payload = payload
+        self.literal = literal
         self.unencodable: dict[str, int] = {}
         self.callables = 0
 
@@ -354,17 +361,26 @@ class Decoder:
         if tag == "$bytes":
             _need(isinstance(body, str))
             return bytes.fromhex(body)
-        if tag == "$capture_options":
-            from torchlens.options import CaptureOptions
+        if tag in ("$capture_options", "$trace_options"):
+            from torchlens.options import CaptureOptions, TraceOptions
 
-            names = [f.name for f in dc_fields(CaptureOptions)]
+            cls = CaptureOptions if tag == "$capture_options" else TraceOptions
+            names = [f.name for f in dc_fields(cls)]
             _need(isinstance(body, dict) and sorted(body) == sorted(names))
             try:
-                return CaptureOptions(**{k: sub(v) for k, v in body.items()})
+                return cls(**{k: sub(v) for k, v in body.items()})
             except ArtifactError:
                 raise
             except Exception:
                 raise ValueError("invalid CaptureOptions") from None
+        if tag == "$literal":
+            _need(isinstance(body, list) and len(body) == 2 and isinstance(body[0], str))
+            plain = sub(body[1])
+            if self.literal is None:
+                return UnencodableValue(body[0], repr(plain), where)
+            value = self.literal(body[0], plain)
+            _need(value is not None)
+            return value
         if tag == "$unencodable":
             _need(isinstance(body, list) and len(body) == 2 and all(isinstance(s, str) for s in body))
             self.unencodable[body[0]] = self.unencodable.get(body[0], 0) + 1

@@ -1,0 +1,237 @@
+"""Capture overhead, side by side: a plain forward vs `tl.trace` (save="none", save="all")
+and, when installed, TransformerLens `run_with_cache` and nnsight saving every block output.
+
+Models (random init, nothing downloaded):
+- GPT-2 small shape (12 layers, d_model 768, 12 heads, vocab 50257) at 128 tokens;
+- a ResNet-like CNN (ResNet-18 layout, BatchNorm, residual adds) on a 1x3x64x64 image.
+
+Every variant runs in the same process, interleaved (variant order rotates each round),
+and the table reports the median seconds and the ratio to the plain forward's median.
+Results go to `benchmarks/results/capture.json`.
+
+    python benchmarks/capture.py                 # full run (default 9 rounds)
+    python benchmarks/capture.py --rounds 5 --models gpt2
+
+PyPI `torchlens` cannot live in this venv (its import name is ours). To compare against it,
+install it in a separate venv and point `--pypi-torchlens-python` (or the environment
+variable TORCHLENS_PYPI_PYTHON) at that venv's python: the script then runs the same
+models there in a subprocess (`_pypi_torchlens_worker` below) and adds its ratios, measured
+against that process's own plain forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+RESULTS = Path(__file__).resolve().parent / "results" / "capture.json"
+
+
+# models ---------------------------------------------------------------------------------
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNetLike(nn.Module):
+    """ResNet-18 layout: stem, four stages of two basic blocks, pooling, a linear head."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
+
+
+def gpt2_small(tokens: int) -> tuple[nn.Module, torch.Tensor]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
+                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg).eval(), torch.randint(0, 50257, (1, tokens))
+
+
+def resnet_like() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return ResNetLike().eval(), torch.randn(1, 3, 64, 64)
+
+
+# variants -------------------------------------------------------------------------------
+
+def torchlens_variants(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    import torchlens as tl
+
+    return {
+        "plain forward": lambda: model(x),
+        'tl.trace save="none"': lambda: tl.trace(model, x, save="none"),
+        'tl.trace save="all"': lambda: tl.trace(model, x, save="all"),
+    }
+
+
+def transformer_lens_variant(tokens: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    try:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+    except ImportError:
+        return {}
+    cfg = HookedTransformerConfig(n_layers=12, d_model=768, n_ctx=1024, d_head=64, n_heads=12, d_vocab=50257,
+                                  act_fn="gelu_new", normalization_type="LN", seed=0)
+    hooked = HookedTransformer(cfg).eval()
+    return {"TransformerLens plain": lambda: hooked(tokens),
+            "TransformerLens run_with_cache": lambda: hooked.run_with_cache(tokens)}
+
+
+def nnsight_variant(model: nn.Module, tokens: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    try:
+        from nnsight import NNsight
+    except ImportError:
+        return {}
+    wrapped = NNsight(model)
+
+    def run() -> Any:
+        with wrapped.trace(tokens):
+            saved = [block.output.save() for block in wrapped.transformer.h]
+        return saved
+
+    return {"nnsight save every block": run}
+
+
+# measurement ----------------------------------------------------------------------------
+
+def measure(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for fn in variants.values():  # warm-up
+        fn()
+    for r in range(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            gc.collect()
+            t0 = time.perf_counter()
+            result = variants[name]()
+            times[name].append(time.perf_counter() - t0)
+            del result
+    return times
+
+
+def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+    base = statistics.median(times[baseline])
+    return {name: {"median_s": statistics.median(ts), "ratio": statistics.median(ts) / base, "min_s": min(ts),
+                   "runs": len(ts)} for name, ts in times.items()}
+
+
+def _pypi_torchlens_worker(python: str, model: str, tokens: int, rounds: int) -> dict[str, Any] | None:
+    """Run PyPI torchlens in another venv on the same model; None when it cannot run."""
+    code = f"""
+import json, statistics, sys, time, gc, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import capture as B
+import torchlens
+m, x = B.gpt2_small({tokens}) if {model!r} == "gpt2" else B.resnet_like()
+fns = {{"plain forward": lambda: m(x),
+        "PyPI torchlens log_forward_pass": lambda: torchlens.log_forward_pass(m, x, layers_to_save="all")}}
+print(json.dumps(B.measure(fns, {rounds})))
+"""
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=3600)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"  PyPI torchlens run failed: {exc}", file=sys.stderr)
+        return None
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    return summarize(times, "plain forward")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--models", default="gpt2,resnet")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--pypi-torchlens-python", default=os.environ.get("TORCHLENS_PYPI_PYTHON"))
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    report: dict[str, Any] = {
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "threads": torch.get_num_threads(), "rounds": args.rounds, "tokens": args.tokens, "models": {},
+    }
+    for model_name in args.models.split(","):
+        if model_name == "gpt2":
+            try:
+                model, x = gpt2_small(args.tokens)
+            except ImportError:
+                print("\nGPT-2: skipped (transformers is not installed)")
+                continue
+            variants = torchlens_variants(model, x)
+            variants.update(nnsight_variant(model, x))
+            tl_variants = transformer_lens_variant(x)
+            label = f"GPT-2 small shape, {args.tokens} tokens"
+        else:
+            model, x = resnet_like()
+            variants = torchlens_variants(model, x)
+            tl_variants = {}
+            label = "ResNet-like CNN, 1x3x64x64"
+        times = measure({**variants, **tl_variants}, args.rounds)
+        summary = summarize({k: times[k] for k in variants}, "plain forward")
+        if tl_variants:  # TransformerLens runs its own model: ratio to its own plain forward
+            tl_summary = summarize({k: times[k] for k in tl_variants}, "TransformerLens plain")
+            summary.update(tl_summary)
+        if args.pypi_torchlens_python:
+            pypi = _pypi_torchlens_worker(args.pypi_torchlens_python, model_name, args.tokens, args.rounds)
+            if pypi:
+                summary["PyPI torchlens log_forward_pass"] = pypi["PyPI torchlens log_forward_pass"]
+        report["models"][model_name] = {"label": label, "results": summary}
+        print(f"\n{label} (median of {args.rounds} interleaved rounds, {torch.get_num_threads()} threads)")
+        print(f"{'variant':36s} {'median s':>10s} {'ratio':>8s}")
+        for name, row in summary.items():
+            print(f"{name:36s} {row['median_s']:10.4f} {row['ratio']:8.3f}")
+        del model, x, variants, tl_variants
+        gc.collect()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,435 @@
+"""`TorchBackend`: the torch implementation of `tl.backends.BackendProtocol`.
+
+`capture` describes the model, snapshots its state, installs the interception
+(`interceptor.CaptureMode` + global module hooks), runs the forward once, emits core's
+event stream and lets core's builder make the `Trace`; then it restores the state
+(pure observer) unless `carry_state=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchlens.backends.codes import CAPABILITY_REFUSALS
+from torchlens.backends.protocol import BackendCapabilities, ValidationStatus
+from torchlens.build.builder import build_trace
+from torchlens.build.save import apply_save, save_plan
+from torchlens.errors import (
+    BackendUnsupportedError,
+    InvalidArgumentError,
+    TorchLensError,
+    TraceCaptureError,
+)
+from torchlens.options import CaptureOptions, TraceOptions
+from torchlens.records.trace import Provenance
+
+from torchlens_torch import __version__
+from torchlens_torch.describe import MODULE_INTERNALS, describe_model
+from torchlens_torch.interceptor import CaptureMode, Recorder, _run_root, install_module_hooks
+from torchlens_torch.plugin import FRAMEWORK
+from torchlens_torch.state import ModelStateSnapshot, RngSnapshot, seed_all
+from torchlens_torch.values import host_copy, iter_leaves
+
+#: Top-level modules of other frameworks whose arrays are not torch inputs.
+_FOREIGN_MODULES = ("jax", "jaxlib", "tensorflow", "keras", "mlx", "paddle", "tinygrad")
+
+#: Message fragments of torch's errors for a device this build or machine lacks.
+_DEVICE_ERRORS = (
+    "not compiled with cuda", "found no nvidia driver", "no cuda gpus are available", "cuda driver initialization failed",
+    "cuda error: no kernel image", "not compiled with mps", "mps backend is not available", "xpu is not available",
+    "torch not compiled with", "no xpu devices", "cuda is not available", "cannot access accelerator device",
+)
+
+_TRACE_OPTIONS = frozenset({"save", "capture"})
+
+
+class CaptureExtras:
+    """Torch-only state a trace needs for its verbs (kept on the trace, never saved)."""
+
+    __slots__ = ("backward_ready", "save_grads", "grad_store", "inference_only")
+
+    def __init__(self, backward_ready: bool, save_grads: bool, grad_store: dict | None, inference_only: bool) -> None:
+        self.backward_ready = backward_ready
+        self.save_grads = save_grads
+        self.grad_store = grad_store
+        self.inference_only = inference_only
+
+
+class TorchBackend:
+    """The torch backend ("stable", eager)."""
+
+    name = "torch"
+    maturity = "stable"
+    framework = FRAMEWORK
+    materialization = "eager"
+
+    # identity ---------------------------------------------------------------------------
+    def capabilities(self) -> BackendCapabilities:
+        return BackendCapabilities(
+            backward_capture=True,
+            fastlog=False,
+            interventions=True,
+            rng_replay=False,
+            streaming=False,
+            structure_only_capture=True,
+            validation_replay=True,
+            payload_materialization=True,
+            intermediate_derived_grads=False,
+        )
+
+    def runtime_available(self) -> str | None:
+        try:
+            version = self.framework.installed_version() or torch.__version__
+            return None if self.framework.contains(version) else "runtime_version_unsupported"
+        except Exception:  # never raises
+            return "runtime_missing"
+
+    def trace_options(self) -> frozenset[str]:
+        return _TRACE_OPTIONS
+
+    def refusal_codes(self) -> frozenset[str]:
+        caps = self.capabilities().as_dict()
+        off = {CAPABILITY_REFUSALS[k] for k, v in caps.items() if not v}
+        return frozenset(off | {"trace_option_unsupported", "foreign_tensor_input", "runtime_missing",
+                                "runtime_version_unsupported", "torchscript_boundary"})
+
+    # capture ------------------------------------------------------------------------------
+    def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
+        return _root_module(model) is not None
+
+    def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
+        """The model's own forward with no TorchLens wrapper installed."""
+        return model(*args, **kwargs)
+
+    def capture(self, model: Any, args: tuple, kwargs: dict, *, save: Any = "all", capture: CaptureOptions | None = None,
+                _edit_plan: Any = None, **trace_options: Any) -> Any:
+        if trace_options:
+            raise BackendUnsupportedError("trace_option_unsupported",
+                                          f"the torch backend does not take {', '.join(sorted(trace_options))}",
+                                          remedy=f"options it takes: {', '.join(sorted(_TRACE_OPTIONS))}",
+                                          options=sorted(trace_options))
+        opts = capture or CaptureOptions()
+        root = _root_module(model)
+        if root is None:
+            tname = f"{type(model).__module__}.{type(model).__qualname__}"
+            raise InvalidArgumentError("model_type_unsupported", f"the torch backend traces an nn.Module or a bound method of one, not {tname}",
+                                       remedy="pass the nn.Module (or model.generate-style bound method)", model_type=tname)
+        _check_inputs(args, kwargs)
+        plan = save_plan(save)
+        return _Capture(self, root, model, args, kwargs, plan, opts, _edit_plan).run()
+
+    # verbs ------------------------------------------------------------------------------
+    def validate(self, trace: Any, ground_truth: Any = None, **kwargs: Any) -> ValidationStatus:
+        """Replay every op from its saved inputs under its recorded RNG state and compare
+        bit for bit, then perturb each float parent and check the output moves."""
+        from torchlens_torch.validate import validate_trace
+
+        return validate_trace(trace, **kwargs)
+
+    def validation_session(self, num_threads: int | None = None) -> Any:
+        """Pins torch's intra-op threads for a `tl.validate` run and restores them."""
+        from torchlens_torch.validate import ThreadPin
+
+        return ThreadPin(num_threads)
+
+    # interventions -----------------------------------------------------------------------
+    def edit_ops(self) -> Any:
+        from torchlens_torch.edit_ops import TorchEditOps
+
+        return TorchEditOps()
+
+    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
+        from torchlens_torch.edit_ops import attach_module_edits
+
+        return attach_module_edits(_root_module(model), rules, ops, fired)
+
+    def resolve_callable(self, qualname: str) -> Any:
+        from torchlens_torch.edit_ops import resolve_callable
+
+        return resolve_callable(qualname)
+
+    def from_host(self, values: Any, like: Any = None) -> Any:
+        """A torch tensor holding `values` (numpy), with `like`'s dtype and device."""
+        t = torch.as_tensor(values)
+        return t.to(dtype=like.dtype, device=like.device) if isinstance(like, torch.Tensor) else t
+
+    def backward(self, trace: Any, loss: Any, **kwargs: Any) -> Any:
+        """Run `loss.backward()` and fill `op.grads` (one entry per output slot) for saved ops."""
+        extras: CaptureExtras | None = getattr(trace, "_torch_extras", None)
+        if extras is None or not extras.backward_ready:
+            raise InvalidArgumentError("backward_not_requested", "this trace was not captured for a backward pass",
+                                       remedy="capture with capture=CaptureOptions(backward_ready=True, save_grads=True)")
+        if not isinstance(loss, torch.Tensor):
+            raise InvalidArgumentError("invalid_argument", f"backward takes a tensor loss, not {type(loss).__name__}",
+                                       remedy="trace.backward(trace.output.sum())")
+        loss.backward(**kwargs)
+        store = extras.grad_store
+        if store is None:
+            return None
+        for op in trace._ops.values():
+            slots = store.get(op.event_id)
+            if slots is not None and op.saved:
+                op.grads = tuple(slots) + (None,) * (len(op.shapes) - len(slots))
+        return None
+
+    # values -----------------------------------------------------------------------------
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    def host_copy(self, value: Any) -> Any:
+        return host_copy(value)
+
+    def realize_once(self, values: Any) -> Any:
+        return values  # eager: values are concrete when the call returns
+
+    def payload_codec(self) -> Any:
+        """The bit-exact torch payload codec used by `Trace.save` / `tl.load`."""
+        from torchlens_torch.codec import TorchCodec
+
+        return TorchCodec()
+
+
+def _root_module(model: Any) -> nn.Module | None:
+    if isinstance(model, nn.Module):
+        return model
+    if inspect.ismethod(model) and isinstance(model.__self__, nn.Module):
+        return model.__self__
+    return None
+
+
+def _check_inputs(args: tuple, kwargs: dict) -> None:
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if isinstance(obj, torch.Tensor) or depth > 16:
+            return
+        mod = type(obj).__module__.partition(".")[0]
+        if mod == "numpy" and hasattr(obj, "shape"):
+            raise InvalidArgumentError("input_type_unsupported", f"input {path} is a NumPy array, not a torch.Tensor",
+                                       remedy="convert it with torch.as_tensor(...)", path=path, type=type(obj).__name__)
+        if mod in _FOREIGN_MODULES:
+            raise BackendUnsupportedError("foreign_tensor_input", f"input {path} is a {mod} value; the torch backend takes torch tensors",
+                                          remedy=f"convert it to a torch.Tensor or trace with backend={mod!r}", path=path)
+        if isinstance(obj, (tuple, list)):
+            for i, item in enumerate(obj):
+                visit(item, f"{path}[{i}]", depth + 1)
+        elif isinstance(obj, dict):
+            for k, item in obj.items():
+                visit(item, f"{path}[{k!r}]", depth + 1)
+
+    for i, a in enumerate(args):
+        visit(a, f"args[{i}]", 0)
+    for k, a in kwargs.items():
+        visit(a, f"kwargs[{k!r}]", 0)
+
+
+def _input_paths(fn: Any, args: tuple, kwargs: dict) -> tuple[list[str], dict[str, str]]:
+    """Positional arguments named after the forward's parameters where it names them."""
+    names: list[str] = []
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for i in range(len(args)):
+        p = params[i] if i < len(params) else None
+        if p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        else:
+            names.append(f"args[{i}]")
+    return names, {k: f"kwargs[{k!r}]" for k in kwargs}
+
+
+def _is_device_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, (AssertionError, RuntimeError)) and any(frag in text for frag in _DEVICE_ERRORS)
+
+
+def _make_cow_ref(opts: CaptureOptions):
+    """Copy-on-write references for save_mode="copy" on the same device: a payload is
+    copied only when a write is about to change its storage, or when it outlives the
+    forward in an object the caller can reach (the returned output, module state)."""
+    if opts.save_mode != "copy" or opts.output_device not in (None, "same"):
+        return None
+    return (lambda t: t.detach()) if opts.detach_saved_activations else (lambda t: t)
+
+
+def _make_save_fn(opts: CaptureOptions):
+    detach = opts.detach_saved_activations
+    device = None if opts.output_device in (None, "same") else torch.device(opts.output_device)
+    mode = opts.save_mode
+    if mode == "copy":
+        if device is not None:
+            return (lambda t: t.detach().to(device, copy=True)) if detach else (lambda t: t.to(device, copy=True))
+        return (lambda t: t.detach().clone()) if detach else (lambda t: t.clone())
+    if mode == "view":
+        base = lambda t: t.detach()  # noqa: E731 - aliasing stays visible
+    else:  # reference
+        base = (lambda t: t.detach()) if detach else (lambda t: t)
+    if device is not None:
+        return lambda t: base(t).to(device)
+    return base
+
+
+class _Capture:
+    """One capture, start to finish."""
+
+    def __init__(self, backend: TorchBackend, root: nn.Module, model: Any, args: tuple, kwargs: dict, plan: Any,
+                 opts: CaptureOptions, edit_plan: Any = None) -> None:
+        self.backend, self.root, self.model, self.args, self.kwargs, self.plan, self.opts = (
+            backend, root, model, args, kwargs, plan, opts)
+        self.edit_plan = edit_plan
+
+    def run(self) -> Any:
+        opts, root, model = self.opts, self.root, self.model
+        t_start = time.perf_counter()
+        wall_start = time.time()
+        want_backward = opts.backward_ready or opts.save_grads
+        inference_only = opts.inference_only if opts.inference_only is not None else (
+            not torch.is_grad_enabled() and not want_backward)
+        if inference_only:
+            grad_ctx: Any = torch.no_grad()
+        elif want_backward:
+            grad_ctx = torch.enable_grad()
+        else:
+            grad_ctx = contextlib.nullcontext()
+
+        if isinstance(model, nn.Module) or model.__func__ is getattr(type(root), "forward", None):
+            fn = root
+            entry = "module"
+        else:
+            fn = model
+            entry = f"bound_method:{type(root).__qualname__}.{model.__name__}"
+        sig_target = root.forward if fn is root else fn
+        pos_names, kw_names = _input_paths(sig_target, self.args, self.kwargs)
+
+        desc = describe_model(root)
+        scripted = [addr for addr, m in desc.modules if isinstance(m, torch.jit.ScriptModule)]
+        if scripted:
+            raise BackendUnsupportedError("torchscript_boundary",
+                                          f"module {scripted[0]!r} is TorchScript; the ops inside it cannot be observed",
+                                          remedy="trace the eager (un-scripted) module instead", modules=scripted)
+        grad_store: dict | None = {} if opts.save_grads else None
+        rec = Recorder(desc, save_payloads=self.plan.kind != "none", save_fn=_make_save_fn(opts), grad_store=grad_store,
+                       check_nonfinite=None if opts.on_nonfinite == "ignore" else opts.on_nonfinite,
+                       cow_ref=_make_cow_ref(opts))
+        rec.edit_plan = self.edit_plan
+        leaves: list = []
+        for name, a in zip(pos_names, self.args):
+            leaves.extend(iter_leaves(a, name))
+        for k, a in self.kwargs.items():
+            leaves.extend(iter_leaves(a, kw_names[k]))
+        rec.add_inputs(leaves)
+
+        # from here on every path restores the state it snapshots
+        rng = RngSnapshot()
+        state = None if opts.carry_state else ModelStateSnapshot(desc.modules)
+        if opts.seed is not None:
+            seed_all(opts.seed)
+        rng_at_forward = torch.get_rng_state()
+
+        fast_path = _get_mha_fastpath()
+        _set_mha_fastpath(False)
+        handles: list = []
+        mode = CaptureMode(rec)
+        failure: BaseException | None = None
+        output = None
+        t_forward = time.perf_counter()
+        try:
+            handles = install_module_hooks(rec)
+            with grad_ctx, mode:
+                output = _run_root(fn, self.args, self.kwargs)
+        except Exception as exc:  # the forward raised: keep the prefix as a partial trace
+            failure = exc
+        finally:
+            forward_duration = time.perf_counter() - t_forward
+            for h in handles:
+                h.remove()
+            _set_mha_fastpath(fast_path)
+            try:
+                if rec.pending:  # what outlives the forward must not alias a payload
+                    seen: set = set()
+                    if failure is None:
+                        rec.flush_reachable(output, 0, seen)
+                    for _, m in desc.modules:
+                        for k, v in m.__dict__.items():
+                            if k not in MODULE_INTERNALS or k in ("_parameters", "_buffers"):
+                                rec.flush_reachable(v, 0, seen)
+                if failure is None:
+                    rec.add_outputs(list(iter_leaves(output, "output")))
+            finally:
+                if state is not None:
+                    state.restore()
+                rng.restore()
+
+        t_end = time.perf_counter()
+        provenance = Provenance(
+            backend="torch", backend_version=__version__, framework_version=torch.__version__, kind="trace",
+            model_class=type(root).__name__, start_time=wall_start, end_time=wall_start + (t_end - t_start),
+            duration=t_end - t_start, root_entry_point=entry,
+            extra={"rng_state": rng_at_forward, "seed": opts.seed, "forward_duration": forward_duration,
+                   "outcome": "FAILED" if failure is not None else "COMPLETE",
+                   "composites_expanded": rec.composite_seq, "nonfinite_events": list(rec.nonfinite_ops)},
+        )
+        options = TraceOptions.from_capture(
+            opts, save=repr(self.plan.spec) if self.plan.kind == "select" else self.plan.kind,
+            structure_only=self.plan.kind == "none", inference_only=inference_only, backward_ready=want_backward)
+        if failure is not None:
+            partial = build_trace(desc.info, rec.log, output=None, output_state="output_forward_failed",
+                                  provenance=provenance, options=options, backend=self.backend)
+            partial.annotations["partial"] = True
+            raise _capture_error(failure, partial) from failure
+
+        trace = build_trace(desc.info, rec.log, output=output, provenance=provenance, options=options,
+                            backend=self.backend)
+        trace.cost.forward_duration = forward_duration
+        if self.plan.kind == "select":
+            apply_save(trace, self.plan)
+        trace._torch_extras = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
+        provenance.extra["build_duration"] = time.perf_counter() - t_end
+        return trace
+
+
+def _capture_error(exc: BaseException, partial: Any) -> BaseException:
+    if isinstance(exc, TorchLensError):
+        if getattr(exc, "partial_trace", None) is None:
+            exc.partial_trace = partial
+        return exc
+    if _is_device_error(exc):
+        err = InvalidArgumentError("device_unavailable", f"the forward asked for a device this machine lacks: {exc}",
+                                   remedy="move the model and its inputs to an available device (this machine: cpu)",
+                                   exception_type=type(exc).__name__)
+        err.partial_trace = partial
+        return err
+    return TraceCaptureError("forward_failed", f"the traced forward raised {type(exc).__name__}: {exc}",
+                             remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
+                             partial_trace=partial, exception_type=type(exc).__name__)
+
+
+def _get_mha_fastpath() -> bool | None:
+    mha = getattr(torch.backends, "mha", None)
+    return mha.get_fastpath_enabled() if mha is not None and hasattr(mha, "get_fastpath_enabled") else None
+
+
+def _set_mha_fastpath(value: bool | None) -> None:
+    mha = getattr(torch.backends, "mha", None)
+    if value is not None and mha is not None and hasattr(mha, "set_fastpath_enabled"):
+        mha.set_fastpath_enabled(value)
+
+
+_BACKEND: TorchBackend | None = None
+_LOCK = threading.Lock()
+
+
+def get_backend() -> TorchBackend:
+    """The process-wide torch backend object (what `BackendSpec.protocol()` returns)."""
+    global _BACKEND
+    with _LOCK:
+        if _BACKEND is None:
+            _BACKEND = TorchBackend()
+        return _BACKEND

@@ -1,0 +1,170 @@
+"""Torch implementations of core's intervention hooks: edit ops, module-output edits for a
+bound executor, and re-binding saved callable names to torch callables."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class TorchEditOps:
+    """The tensor math core's edit helpers run through (`backend.edit_ops()`)."""
+
+    def zeros_like(self, x: Any) -> Any:
+        return torch.zeros_like(x)
+
+    def clone(self, x: Any) -> Any:
+        return x.clone() if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+
+    def clip(self, x: Any, lo: Any, hi: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(x)
+        return torch.clamp(x, lo, hi)
+
+    def mean(self, x: Any, dim: Any, keepdim: bool) -> Any:
+        if dim is None:
+            dim = tuple(range(x.ndim))
+        return x.mean(dim=dim, keepdim=keepdim)
+
+    def norm(self, x: Any, dim: Any, keepdim: bool, p: float = 2.0) -> Any:
+        return torch.linalg.vector_norm(x, ord=p, dim=dim, keepdim=keepdim)
+
+    def randn_like(self, x: Any, seed: int) -> Any:
+        g = torch.Generator(device=x.device).manual_seed(int(seed))
+        return torch.randn(x.shape, generator=g, dtype=x.dtype, device=x.device)
+
+    def permute_flat(self, x: Any, seed: int) -> Any:
+        g = torch.Generator().manual_seed(int(seed))
+        flat = x.reshape(-1)
+        return flat[torch.randperm(flat.numel(), generator=g).to(x.device)].reshape(x.shape)
+
+    def moveaxis(self, x: Any, src: int, dst: int) -> Any:
+        return torch.movedim(x, src, dst)
+
+    def where(self, mask: Any, a: Any, b: Any) -> Any:
+        return torch.where(torch.as_tensor(mask, device=a.device), a, b)
+
+    def asarray(self, v: Any, like: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(np.ascontiguousarray(v))
+        if like is None:
+            return torch.as_tensor(v)
+        return torch.as_tensor(v).to(dtype=like.dtype, device=like.device) if isinstance(v, torch.Tensor) else \
+            torch.as_tensor(v, dtype=like.dtype, device=like.device)
+
+    def replay_args(self, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Arguments replay may run on without writing into saved payloads."""
+        from torchlens_torch.validate import safe_replay_args
+
+        return safe_replay_args(op, args, kwargs)
+
+    @contextlib.contextmanager
+    def rng_state(self, state: Any):
+        """Run under a recorded CPU RNG state, then put the caller's back."""
+        if state is None:
+            yield
+            return
+        saved = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(saved)
+
+
+def _edit_leaves(out: Any, fn: Any) -> tuple[Any, int]:
+    """Apply `fn` to every tensor leaf of a module output; returns (output, leaves edited)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out), 1
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        vals = [_edit_leaves(v, fn) for v in out]
+        return type(out)(*[v for v, _ in vals]), sum(n for _, n in vals)
+    if isinstance(out, (tuple, list)):
+        vals = [_edit_leaves(v, fn) for v in out]
+        return type(out)(v for v, _ in vals), sum(n for _, n in vals)
+    if isinstance(out, dict):
+        n = 0
+        for k in list(out.keys()):
+            out[k], m = _edit_leaves(out[k], fn)
+            n += m
+        return out, n
+    return out, 0
+
+
+class _Handles:
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def attach_module_edits(root: torch.nn.Module, rules: list, ops: Any, fired: dict) -> _Handles:
+    """Forward hooks that edit each targeted module's output leaves as it returns."""
+    from torchlens.errors import LookupMissError
+    from torchlens.intervention.edits import HookContext
+
+    handles = []
+    calls: dict[int, int] = {}
+    for i, (address, call, edit) in enumerate(rules):
+        try:
+            module = root if address == "self" else root.get_submodule(address)
+        except AttributeError:
+            raise LookupMissError("label_unknown", f"the model has no module {address!r}",
+                                  remedy="use an address from dict(model.named_modules())", key=address) from None
+
+        def hook(mod: Any, args: Any, out: Any, i: int = i, address: str = address, call: Any = call, edit: Any = edit) -> Any:
+            n = calls[id(hook)] = calls.get(id(hook), 0) + 1
+            if call is not None and n != call:
+                return out
+            ctx = HookContext(f"{address}:{n}", None, None, ops)
+            new, count = _edit_leaves(out, lambda t: edit(t, ctx))
+            if count:
+                fired[i] = fired.get(i, 0) + 1
+            return new
+
+        handles.append(module.register_forward_hook(hook))
+    return _Handles(handles)
+
+
+def _namespaces() -> list:
+    import torch.nn.functional as F
+
+    return [torch, F, torch._C._nn, torch._C._VariableFunctions, torch.Tensor, torch._C.TensorBase, torch.linalg,
+            torch.special, torch.fft]
+
+
+def resolve_callable(qualname: str) -> Any:
+    """A saved callable name back to the torch callable: only callables found in torch's own
+    namespaces whose description is exactly the saved name."""
+    from torchlens.types import CallablePlaceholder
+
+    if not (qualname.startswith("torch") or qualname.startswith("builtins.")):
+        return None
+    last = qualname.rpartition(".")[2]
+    for ns in _namespaces():
+        cand = getattr(ns, last, None)
+        if cand is not None and callable(cand) and CallablePlaceholder.describe(cand) == qualname:
+            return cand
+    parts = qualname.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        modname = ".".join(parts[:cut])
+        if not (modname == "torch" or modname.startswith("torch.")):
+            continue
+        try:
+            obj: Any = importlib.import_module(modname)
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                break
+        if obj is not None and callable(obj) and CallablePlaceholder.describe(obj) == qualname:
+            return obj
+    return None

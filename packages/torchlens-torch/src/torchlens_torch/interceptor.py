@@ -1,0 +1,592 @@
+"""The capture machinery: a `TorchFunctionMode` that sees every torch call, global module
+forward hooks for module enter/exit, and the `Recorder` that turns both into core's event
+stream (`torchlens.build.events`).
+
+Provenance: every tensor an op produces is tagged `id(tensor) -> (event id, slot)`; the
+tensors are kept alive for the capture so an id is never reused. A tensor argument is
+resolved, in order, to its tag, to a parameter (listed in `OpEvent.params`, not a parent),
+to a registered or module-held buffer (a `buffer` source event on first read) or else to a
+closure constant (a `constant` source event). Labels, passes and edges are core's job.
+
+The per-op handler (`CaptureMode.__torch_function__`) is the hot path: a cached per-callable
+`FuncInfo`, one call, a type check, and for tensor results a short walk over the arguments
+and the Python frames up to the innermost module call (the call site key).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import warnings
+from time import perf_counter
+from typing import Any, Callable
+
+import torch
+from torch.nn.modules import module as _nn_module
+from torch.overrides import TorchFunctionMode
+
+from torchlens.build.events import ArgRef, EventLog, ModuleEnter, ModuleExit, OpEvent
+
+from torchlens_torch.composites import composite_table
+from torchlens_torch.costs import COST_FUNCS
+from torchlens_torch.describe import ModelDescription
+from torchlens_torch.values import dtype_name, iter_leaves
+
+Tensor = torch.Tensor
+
+#: Callables that never return a tensor: the handler passes them straight through.
+_PASSTHROUGH_NAMES = frozenset({
+    "shape", "dtype", "device", "ndim", "is_cuda", "is_sparse", "is_quantized", "is_meta", "is_mps", "is_cpu",
+    "requires_grad", "is_leaf", "grad_fn", "layout", "names", "_version", "dim", "size", "numel", "item",
+    "tolist", "stride", "storage_offset", "is_contiguous", "data_ptr", "element_size", "__len__", "__bool__",
+    "__format__", "__repr__", "__hash__", "is_floating_point", "is_complex", "get_device", "nelement",
+    "untyped_storage", "is_nested", "_is_view", "__index__", "__int__", "__float__", "is_inference",
+    "output_nr", "_base", "is_xpu", "itemsize", "nbytes", "__reduce_ex__", "__deepcopy__",
+})
+
+#: Callables that draw random numbers: the RNG state before the call goes into `meta`.
+_RANDOM_NAMES = frozenset({
+    "dropout", "dropout_", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
+    "dropout3d", "native_dropout", "bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like", "randn_like",
+    "randint_like", "randperm", "normal", "normal_", "uniform_", "multinomial", "exponential_", "geometric_",
+    "cauchy_", "log_normal_", "random_", "poisson", "rrelu", "rrelu_", "gumbel_softmax",
+})
+
+#: Callables that write some tensor arguments without saying so (running statistics).
+_HIDDEN_WRITERS = frozenset({"batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit"})
+
+_INPLACE_DUNDERS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
+})
+
+
+class FuncInfo:
+    """What the handler needs to know about one callable, computed once per callable."""
+
+    __slots__ = ("name", "passthrough", "inplace", "may_inplace", "inplace_index", "hidden_write", "random", "cost",
+                 "composite", "may_write")
+
+    def __init__(self, func: Any, composites: dict) -> None:
+        name = getattr(func, "__name__", None) or type(func).__name__
+        if name == "__get__":  # property read, e.g. Tensor.T.__get__
+            owner = getattr(func, "__self__", None)
+            name = getattr(owner, "__name__", name)
+        self.name = name
+        self.passthrough = name in _PASSTHROUGH_NAMES
+        self.inplace = name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")
+                                                    and not name.startswith("_"))
+        self.may_inplace = False
+        self.inplace_index = -1
+        if not self.inplace and inspect.isfunction(func):  # Python functional with an inplace= flag
+            try:
+                names = list(inspect.signature(func).parameters)
+            except (TypeError, ValueError):
+                names = []
+            if "inplace" in names:
+                self.may_inplace = True
+                self.inplace_index = names.index("inplace")
+        self.hidden_write = name in _HIDDEN_WRITERS
+        self.may_write = self.inplace or self.may_inplace or self.hidden_write
+        self.random = name in _RANDOM_NAMES
+        self.cost = COST_FUNCS.get(name)
+        self.composite = composites.get(func) if inspect.isfunction(func) else None
+
+
+def _inplace_flag(info: FuncInfo, args: tuple, kwargs: dict) -> bool:
+    """The value of a functional's `inplace=` argument, given by keyword or position."""
+    flag = kwargs.get("inplace")
+    if flag is None and 0 <= info.inplace_index < len(args):
+        flag = args[info.inplace_index]
+    return bool(flag)
+
+
+def _run_root(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Calls the traced root; its frame bounds the call-site walk like a module call."""
+    return fn(*args, **kwargs)
+
+
+_STOP_CODES = frozenset({
+    _nn_module.Module._call_impl.__code__,
+    _nn_module.Module._wrapped_call_impl.__code__,
+    _run_root.__code__,
+    *(c for c in _nn_module.Module._call_impl.__code__.co_consts if inspect.iscode(c)),
+})
+_MAX_SITE_FRAMES = 24
+
+#: Per-callable facts, shared by every capture of the process (they never change).
+_FUNC_INFOS: dict[Any, "FuncInfo"] = {}
+_COMPOSITES: dict | None = None
+
+
+def _composites() -> dict:
+    global _COMPOSITES
+    if _COMPOSITES is None:
+        _COMPOSITES = composite_table()
+    return _COMPOSITES
+
+
+class Recorder:
+    """Holds the event log and the provenance tags of one capture."""
+
+    def __init__(self, desc: ModelDescription, *, save_payloads: bool, save_fn: Callable[[Tensor], Any],
+                 grad_store: dict | None, check_nonfinite: str | None,
+                 cow_ref: Callable[[Tensor], Any] | None = None) -> None:
+        self.desc = desc
+        self.log = EventLog()
+        self.events = self.log.events
+        self.next_id = 0
+        self.tags: dict[int, tuple[int, int]] = {}
+        self.keep: list[Any] = []
+        self.param_address = desc.param_address
+        self.buffer_address = desc.buffer_address
+        self.module_address = desc.module_address
+        self.stack: tuple[tuple[str, int], ...] = ()
+        self.call_counts: dict[str, int] = {}
+        self.save_payloads = save_payloads
+        self.save_fn = save_fn
+        self.grad_store = grad_store
+        self.check_nonfinite = check_nonfinite
+        self.infos = _FUNC_INFOS
+        self.composites = _composites()
+        self.composite: str | None = None
+        self.composite_seq = 0
+        self.nonfinite_ops: list[int] = []
+        self.thread = threading.get_ident()  # global module hooks fire in every thread
+        # copy-on-write saving (save_mode="copy"): an op's payload is a reference until a
+        # write is about to change its storage, then it is copied (see `flush`).
+        self.cow_ref = cow_ref if save_payloads else None
+        self.pending: dict[int, list] = {}  # storage data_ptr -> [(event, slot, tensor, version)]
+        self.op_events: dict[int, OpEvent] = {}
+        self.edit_plan: Any = None  # core's EditPlan for live interventions (event id -> edits)
+
+    # sources ---------------------------------------------------------------------------
+    def _new_id(self) -> int:
+        i = self.next_id
+        self.next_id = i + 1
+        return i
+
+    def add_source(self, kind: str, t: Tensor, path: str | None, stack: tuple = ()) -> tuple[int, int]:
+        eid = self._new_id()
+        saved = self.save_payloads
+        self.events.append(OpEvent(eid, kind, kind, (), (self.save_fn(t) if saved else None,), (tuple(t.shape),),
+                                   (dtype_name(t.dtype),), stack, None, (), path, saved))
+        tag = (eid, 0)
+        self.tags[id(t)] = tag
+        self.keep.append(t)
+        return tag
+
+    def add_inputs(self, leaves: list[tuple[str, Tensor]]) -> None:
+        for path, t in leaves:
+            first = id(t) not in self.tags
+            eid = self._new_id()
+            saved = self.save_payloads
+            self.events.append(OpEvent(eid, "input", "input", (), (self.save_fn(t) if saved else None,),
+                                       (tuple(t.shape),), (dtype_name(t.dtype),), (), None, (), path, saved))
+            if first:
+                self.tags[id(t)] = (eid, 0)
+                self.keep.append(t)
+
+    def add_outputs(self, leaves: list[tuple[str, Tensor]]) -> None:
+        for path, t in leaves:
+            parents: list = []
+            params: list = []
+            self._resolve(t, parents, params)
+            eid = self._new_id()
+            saved = self.save_payloads
+            payload = None
+            if saved:
+                self.flush(t)  # the caller owns the returned tensor now: isolate the op's payload
+                producer = self.op_events.get(parents[0][0]) if parents else None
+                if producer is not None and producer.outputs[parents[0][1]] is not None and not producer.meta.get("payload_mutated"):
+                    payload = producer.outputs[parents[0][1]]  # already a private copy
+                    if payload is t:
+                        payload = self.save_fn(t)
+                else:
+                    payload = self.save_fn(t)
+            self.events.append(OpEvent(eid, "output", "output", tuple(parents), (payload,),
+                                       (tuple(t.shape),), (dtype_name(t.dtype),), (), None, tuple(params), path, saved))
+
+    def _resolve(self, t: Tensor, parents: list, params: list) -> None:
+        key = id(t)
+        tag = self.tags.get(key)
+        if tag is not None:
+            parents.append(tag)
+            return
+        addr = self.param_address.get(key)
+        if addr is not None:
+            params.append(addr)
+            return
+        addr = self.buffer_address.get(key)
+        if addr is not None:
+            parents.append(self.add_source("buffer", t, addr, self.stack))
+        else:
+            parents.append(self.add_source("constant", t, None, self.stack))
+
+    def _arg(self, a: Tensor, parents: list, params: list) -> ArgRef:
+        """Resolve one tensor argument and return the template slot standing for it."""
+        tag = self.tags.get(id(a))
+        if tag is not None:
+            parents.append(tag)
+            return ArgRef(len(parents) - 1)
+        addr = self.param_address.get(id(a))
+        if addr is not None:
+            params.append(addr)
+            return ArgRef(-1, addr)
+        self._resolve(a, parents, params)
+        return ArgRef(len(parents) - 1)
+
+    def _resolve_args(self, args: tuple, kwargs: dict) -> tuple[list, list, tuple, dict]:
+        """Parents, parameters read, and the argument templates replay fills back in."""
+        parents: list = []
+        params: list = []
+        targs: list = []
+        arg = self._arg
+        for a in args:
+            if isinstance(a, Tensor):
+                targs.append(arg(a, parents, params))
+            elif (type(a) is list or type(a) is tuple) and a and any(isinstance(b, Tensor) for b in a):
+                targs.append(type(a)(arg(b, parents, params) if isinstance(b, Tensor) else b for b in a))
+            else:
+                targs.append(a)
+        tkwargs: dict = {}
+        if kwargs:
+            for k, a in kwargs.items():
+                if isinstance(a, Tensor):
+                    tkwargs[k] = arg(a, parents, params)
+                elif (type(a) is list or type(a) is tuple) and a and any(isinstance(b, Tensor) for b in a):
+                    tkwargs[k] = type(a)(arg(b, parents, params) if isinstance(b, Tensor) else b for b in a)
+                else:
+                    tkwargs[k] = a
+        return parents, params, tuple(targs), tkwargs
+
+    def func_info(self, func: Any) -> FuncInfo:
+        info = FuncInfo(func, self.composites)
+        try:
+            self.infos[func] = info
+        except TypeError:  # an unhashable callable: rebuild the info on each call
+            pass
+        return info
+
+    # ops -------------------------------------------------------------------------------
+    def record(self, func: Any, info: FuncInfo, args: tuple, kwargs: dict, out: Any, outs: tuple, multi: bool,
+               inplace: bool, pre: tuple | None, duration: float, rng: Any, site: tuple) -> Any:
+        parents, params, targs, tkwargs = pre if pre is not None else self._resolve_args(args, kwargs)
+        eid = self.next_id
+        self.next_id = eid + 1
+        plan = self.edit_plan
+        if plan is not None and eid in plan and info.name != "__setitem__":
+            outs = plan.apply(eid, outs)
+            if multi:
+                try:
+                    out = type(out)(outs)
+                except TypeError:
+                    out = type(out)(*outs)
+            else:
+                out = outs[0]
+        tags = self.tags
+        keep = self.keep
+        cow = self.cow_ref
+        if multi:
+            shapes = tuple(tuple(o.shape) if isinstance(o, Tensor) else None for o in outs)
+            dtypes = tuple(dtype_name(o.dtype) if isinstance(o, Tensor) else None for o in outs)
+            if cow is not None:
+                saved_outs = tuple(cow(o) if isinstance(o, Tensor) else None for o in outs)
+            elif self.save_payloads:
+                save = self.save_fn
+                saved_outs = tuple(save(o) if isinstance(o, Tensor) else None for o in outs)
+            else:
+                saved_outs = (None,) * len(outs)
+        else:
+            o = outs[0]
+            shapes = (tuple(o.shape),)
+            dtypes = (dtype_name(o.dtype),)
+            if cow is not None:
+                saved_outs = (cow(o),)
+            else:
+                saved_outs = (self.save_fn(o),) if self.save_payloads else (None,)
+        meta: dict[str, Any] = {"duration_s": duration}
+        if any(isinstance(o, Tensor) and o.requires_grad for o in outs):
+            meta["requires_grad"] = tuple(isinstance(o, Tensor) and o.requires_grad for o in outs)
+        if info.cost is not None:
+            try:
+                cost = info.cost(args, kwargs, outs)
+            except (AttributeError, IndexError, TypeError, ValueError):
+                cost = None
+            if cost is not None:
+                meta["flops"], meta["macs"] = cost
+        if rng is not None:
+            meta["rng_state"] = rng
+        if self.composite is not None:
+            meta["composite"] = self.composite
+        param_address = self.param_address
+        buffer_address = self.buffer_address
+        for i, o in enumerate(outs):
+            if isinstance(o, Tensor):
+                k = id(o)
+                if not inplace and (k in param_address or k in buffer_address):
+                    continue  # a parameter or buffer passed through unchanged keeps its identity
+                tags[k] = (eid, i)
+                keep.append(o)
+        ev = OpEvent(eid, "op", info.name, tuple(parents), saved_outs, shapes, dtypes, self.stack, site,
+                     tuple(params), None, self.save_payloads, multi, func, targs, tkwargs, inplace, meta)
+        self.events.append(ev)
+        if cow is not None:
+            self.op_events[eid] = ev
+            pending = self.pending
+            for i, o in enumerate(outs):
+                if isinstance(o, Tensor):
+                    try:
+                        ptr = o.untyped_storage().data_ptr()
+                    except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: copy now
+                        self._materialize(ev, i, o, o._version)
+                        continue
+                    entry = (ev, i, o, o._version)
+                    lst = pending.get(ptr)
+                    if lst is None:
+                        pending[ptr] = [entry]
+                    else:
+                        lst.append(entry)
+        if self.grad_store is not None:
+            self._register_grad_hooks(eid, outs)
+        if self.check_nonfinite is not None:
+            self._check_nonfinite(eid, info.name, outs, meta)
+        return out
+
+    def _register_grad_hooks(self, eid: int, outs: tuple) -> None:
+        store = self.grad_store
+        for i, o in enumerate(outs):
+            if isinstance(o, Tensor) and o.requires_grad:
+                def hook(grad: Tensor, eid: int = eid, i: int = i, n: int = len(outs)) -> None:
+                    slots = store.get(eid)
+                    if slots is None:
+                        slots = store[eid] = [None] * n
+                    slots[i] = grad.detach().clone()
+                o.register_hook(hook)
+
+    def _check_nonfinite(self, eid: int, name: str, outs: tuple, meta: dict) -> None:
+        bad = any(isinstance(o, Tensor) and (o.is_floating_point() or o.is_complex()) and not bool(torch.isfinite(o).all())
+                  for o in outs)
+        meta["has_nonfinite"] = bad
+        if not bad:
+            return
+        self.nonfinite_ops.append(eid)
+        if self.check_nonfinite == "warn":
+            warnings.warn(f"torchlens: {name} produced NaN or Inf (event {eid})", RuntimeWarning, stacklevel=4)
+        elif self.check_nonfinite == "raise":
+            from torchlens.errors import TraceCaptureError
+
+            raise TraceCaptureError("nonfinite_value", f"{name} produced NaN or Inf under on_nonfinite='raise'",
+                                    remedy="inspect exc.partial_trace, or capture with on_nonfinite='track'",
+                                    func_name=name)
+
+    # copy-on-write -----------------------------------------------------------------------
+    def _materialize(self, ev: OpEvent, slot: int, t: Tensor, version: int) -> None:
+        outs = list(ev.outputs)
+        outs[slot] = self.save_fn(t)
+        ev.outputs = tuple(outs)
+        if t._version != version:  # written by something the capture did not see as a write
+            ev.meta["payload_mutated"] = True
+
+    def flush(self, t: Any) -> None:
+        """Copy every pending payload that shares `t`'s storage (called before a write)."""
+        if not self.pending:
+            return
+        if isinstance(t, Tensor):
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError, TypeError):
+                return
+            lst = self.pending.pop(ptr, None)
+            if lst:
+                for ev, slot, ref, version in lst:
+                    self._materialize(ev, slot, ref, version)
+        elif type(t) is list or type(t) is tuple:
+            for item in t:
+                self.flush(item)
+
+    def flush_writes(self, info: FuncInfo, args: tuple, kwargs: dict) -> None:
+        """Before a call that may write: copy the pending payloads of what it writes."""
+        if info.inplace:
+            if args:
+                self.flush(args[0])
+        elif info.may_inplace:
+            if args and _inplace_flag(info, args, kwargs):
+                self.flush(args[0])
+        elif info.hidden_write:
+            self.flush(list(args) + list(kwargs.values()))
+        out = kwargs.get("out")
+        if out is not None:
+            self.flush(out)
+
+    def flush_reachable(self, obj: Any, depth: int = 0, seen: set | None = None) -> None:
+        """Copy the pending payloads of every tensor reachable from `obj` (containers and
+        plain objects' attributes, a few levels deep): what outlives the forward."""
+        if not self.pending:
+            return
+        if seen is None:
+            seen = set()
+        if isinstance(obj, Tensor):
+            self.flush(obj)
+            return
+        if depth > 6 or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            for item in obj:
+                self.flush_reachable(item, depth + 1, seen)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                self.flush_reachable(item, depth + 1, seen)
+        elif isinstance(obj, torch.nn.Module):
+            return
+        else:
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict):
+                for item in d.values():
+                    self.flush_reachable(item, depth + 1, seen)
+
+    # module hooks ------------------------------------------------------------------------
+    def pre_hook(self, module: Any, args: tuple) -> None:
+        addr = self.module_address.get(id(module))
+        if addr is None or threading.get_ident() != self.thread:
+            return None
+        n = self.call_counts.get(addr, 0) + 1
+        self.call_counts[addr] = n
+        self.stack = self.stack + ((addr, n),)
+        tags = self.tags
+        ids = tuple(tags[id(t)] for _, t in iter_leaves(args, "") if id(t) in tags)
+        self.events.append(ModuleEnter(addr, n, ids))
+        return None
+
+    def post_hook(self, module: Any, args: tuple, output: Any) -> None:
+        addr = self.module_address.get(id(module))
+        if addr is None or threading.get_ident() != self.thread:
+            return None
+        stack = self.stack
+        # pop this module's frame (the innermost one with its address)
+        for j in range(len(stack) - 1, -1, -1):
+            if stack[j][0] == addr:
+                call = stack[j][1]
+                self.stack = stack[:j]
+                break
+        else:
+            return None
+        ids: list = []
+        tags = self.tags
+        if type(output) is Tensor:
+            tag = tags.get(id(output))
+            if tag is not None:
+                ids.append(tag)
+            else:
+                self._exit_source(output, stack[: j + 1], ids)
+        elif output is not None:
+            for _, t in iter_leaves(output, ""):
+                tag = tags.get(id(t))
+                if tag is not None:
+                    ids.append(tag)
+                else:
+                    self._exit_source(t, stack[: j + 1], ids)
+        self.events.append(ModuleExit(addr, call, tuple(ids)))
+        return None
+
+    def _exit_source(self, t: Tensor, stack: tuple, ids: list) -> None:
+        """A module returned a tensor no op produced: a buffer or a constant (not a parameter)."""
+        if id(t) in self.param_address:
+            return
+        saved_stack = self.stack
+        self.stack = stack
+        parents: list = []
+        try:
+            with torch._C.DisableTorchFunction():  # the payload copy must not be recorded as an op
+                self._resolve(t, parents, [])
+        finally:
+            self.stack = saved_stack
+        ids.append(parents[0])
+
+
+class CaptureMode(TorchFunctionMode):
+    """Sees every torch function, `torch.nn.functional` call, Tensor method and operator."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.rec = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: C901 - the hot path, kept flat
+        rec = self.rec
+        info = rec.infos.get(func)
+        if info is None:
+            info = rec.func_info(func)
+        if kwargs is None:
+            kwargs = {}
+        if info.passthrough:
+            return func(*args, **kwargs)
+        if info.composite is not None:
+            return self._run_composite(info, args, kwargs)
+        pre = None
+        if info.may_write or "out" in kwargs:
+            pre = rec._resolve_args(args, kwargs)  # read sources before the write changes them
+            if rec.pending:
+                rec.flush_writes(info, args, kwargs)
+        rng = torch.get_rng_state() if info.random else None
+        t0 = perf_counter()
+        out = func(*args, **kwargs)
+        duration = perf_counter() - t0
+        if isinstance(out, Tensor):
+            outs = (out,)
+            multi = False
+        elif info.name == "__setitem__" and args and isinstance(args[0], Tensor):
+            outs = (args[0],)
+            multi = False
+        elif (type(out) is tuple or type(out) is list or isinstance(out, tuple)) and out and any(
+                isinstance(o, Tensor) for o in out):
+            outs = tuple(out)
+            multi = True
+        else:
+            return out
+        inplace = info.inplace
+        if not inplace:
+            if "out" in kwargs and kwargs["out"] is not None:
+                inplace = True
+            elif info.may_inplace:
+                inplace = _inplace_flag(info, args, kwargs) and bool(args) and outs[0] is args[0]
+        # call site: the frames between this call and the innermost module call. A code
+        # object met again (recursion) keeps only its innermost frame, so the same place
+        # reached at another recursion depth is another pass, not another layer.
+        f = sys._getframe(1)
+        site: list = []
+        codes: list = []
+        stop = _STOP_CODES
+        for _ in range(_MAX_SITE_FRAMES):
+            if f is None:
+                break
+            code = f.f_code
+            if code in stop:
+                break
+            cid = id(code)
+            if cid not in codes:
+                codes.append(cid)
+                site.append(cid)
+                site.append(f.f_lasti)
+            f = f.f_back
+        return rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, tuple(site))
+
+    def _run_composite(self, info: FuncInfo, args: tuple, kwargs: dict) -> Any:
+        rec = self.rec
+        name, clone = info.composite
+        rec.composite_seq += 1
+        prev = rec.composite
+        rec.composite = prev or f"{name}#{rec.composite_seq}"  # ops carry their outermost composite
+        try:
+            with self:
+                return clone(*args, **kwargs)
+        finally:
+            rec.composite = prev
+
+
+def install_module_hooks(rec: Recorder) -> list[Any]:
+    """Global forward pre/post hooks (removed by the caller after the capture)."""
+    pre = _nn_module.register_module_forward_pre_hook(rec.pre_hook)
+    post = _nn_module.register_module_forward_hook(rec.post_hook, always_call=True)
+    return [pre, post]

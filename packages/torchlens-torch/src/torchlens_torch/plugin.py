@@ -1,0 +1,53 @@
+"""The `torchlens` entry point of this distribution. Light on purpose: no torch import.
+
+`torchlens_backends()` returns the torch `BackendSpec`; its `protocol` and `zoo` factories
+import torch only when a capture (or the conformance suite) needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torchlens
+from torchlens.backends.protocol import BackendSpec, FrameworkRequirement
+
+FRAMEWORK = FrameworkRequirement(
+    distributions=("torch",),
+    minimum="2.1",
+    below="3",
+    tested_through="2.13.0",
+    pinned="2.13.0",
+    extra="torch",
+)
+
+
+def _protocol() -> Any:
+    try:
+        from torchlens_torch.backend import get_backend
+    except ImportError as exc:  # torch itself is missing or broken
+        from torchlens.errors import BackendUnsupportedError
+
+        raise BackendUnsupportedError("runtime_missing", f"the torch backend cannot import torch: {exc}",
+                                      remedy='pip install "torchlens[torch]"', backend="torch", extra="torch") from exc
+    return get_backend()
+
+
+def _zoo() -> Any:
+    from torchlens_torch.zoo import conformance_zoo
+
+    return conformance_zoo()
+
+
+@torchlens.hookimpl
+def torchlens_backends() -> list[BackendSpec]:
+    return [BackendSpec(
+        name="torch",
+        maturity="stable",
+        framework=FRAMEWORK,
+        protocol=_protocol,
+        modules=("torch",),
+        zoo=_zoo,
+        namespace="torchlens_torch",
+        description="PyTorch eager capture through TorchFunctionMode and module forward hooks",
+        package="torchlens-torch",
+    )]

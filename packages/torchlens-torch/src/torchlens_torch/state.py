@@ -1,0 +1,177 @@
+"""Pure-observer capture: snapshot the model's state before the forward, restore it after.
+
+Restored (spec: carry_state): registered buffers (written back only where the forward
+changed them: rebound, or their bytes changed), every module's training flag,
+plain module attributes (rebound, added and removed ones; builtin containers changed in
+place; module-held tensors), the module's `_parameters` / `_buffers` / `_modules` entries,
+and the global random streams (torch CPU and live CUDA devices, Python `random`, NumPy).
+Under `carry_state=True` only the random streams are restored.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchlens_torch.describe import MODULE_INTERNALS
+
+_MISSING = object()
+_BUILTIN_CONTAINERS = (list, dict, set, tuple)
+_MAX_DEPTH = 256
+
+
+class RngSnapshot:
+    """The global random streams at one moment."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.cuda = torch.cuda.get_rng_state_all()
+        self.python = random.getstate()
+        np = sys.modules.get("numpy")
+        self.numpy = np.random.get_state() if np is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % (2**32))
+
+
+class _TensorSnap:
+    __slots__ = ("tensor", "clone", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.clone, self.version = t, t.detach().clone(), t._version
+
+
+_ATOMS = (int, float, str, bool, type(None))
+
+
+def _atomic_tuple(value: tuple) -> bool:
+    """A tuple of scalars (a Conv2d's `kernel_size`) cannot change in place."""
+    return all(type(v) in _ATOMS for v in value)
+
+
+def _snap_container(value: Any, depth: int = 0) -> Any:
+    """A deep copy of builtin containers, tensors inside cloned; other objects by identity."""
+    if isinstance(value, torch.Tensor):
+        return _TensorSnap(value)
+    if depth >= _MAX_DEPTH or type(value) not in (list, dict, set, tuple):
+        return value
+    if type(value) is dict:
+        return {k: _snap_container(v, depth + 1) for k, v in value.items()}
+    if type(value) is set:
+        return set(value)
+    return type(value)(_snap_container(v, depth + 1) for v in value)
+
+
+def _rebuild(snap: Any) -> Any:
+    if type(snap) is _TensorSnap:
+        t, clone = snap.tensor, snap.clone
+        _write_back(t, clone)
+        return t
+    if type(snap) is dict:
+        return {k: _rebuild(v) for k, v in snap.items()}
+    if type(snap) is list:
+        return [_rebuild(v) for v in snap]
+    if type(snap) is tuple:
+        return tuple(_rebuild(v) for v in snap)
+    return snap
+
+
+def _restore_in_place(current: Any, snap: Any) -> Any:
+    """Put a builtin container back to its snapshot without rebinding it."""
+    rebuilt = _rebuild(snap)
+    if type(current) is list:
+        current[:] = rebuilt
+    elif type(current) is dict:
+        current.clear()
+        current.update(rebuilt)
+    elif type(current) is set:
+        current.clear()
+        current.update(rebuilt)
+    return current
+
+
+class ModelStateSnapshot:
+    """Everything a default (pure-observer) capture puts back after the forward."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+        self.entries: list[tuple[nn.Module, dict, dict, dict, dict, dict]] = []
+        for _, m in modules:
+            attrs: dict[str, Any] = {}
+            containers: dict[str, Any] = {}
+            for k, v in m.__dict__.items():
+                if k in MODULE_INTERNALS and k != "training":
+                    continue
+                attrs[k] = v
+                if isinstance(v, torch.Tensor) or type(v) in (list, dict, set) or (
+                        type(v) is tuple and not _atomic_tuple(v)):
+                    containers[k] = _snap_container(v)
+            buffers = {k: (b, None if b is None else b.detach().clone(), None if b is None else b._version)
+                       for k, b in m._buffers.items()}
+            self.entries.append((m, attrs, containers, dict(m._parameters), buffers, dict(m._modules)))
+
+    def restore(self) -> None:
+        for m, attrs, containers, params, buffers, submods in self.entries:
+            d = m.__dict__
+            for k in [k for k in d if k not in attrs and k not in MODULE_INTERNALS]:
+                del d[k]  # added by the forward
+            for k, v in attrs.items():
+                cur = d.get(k, _MISSING)
+                if cur is not v:
+                    d[k] = v if k not in containers or type(v) not in (list, dict, set) else _restore_in_place(v, containers[k])
+                    if isinstance(v, torch.Tensor):
+                        _rebuild(containers[k])
+                elif k in containers:
+                    snap = containers[k]
+                    if isinstance(v, torch.Tensor):
+                        _rebuild(snap)
+                    elif type(v) in (list, dict, set):
+                        _restore_in_place(v, snap)
+                    else:
+                        _rebuild(snap)  # a tuple: restore tensors inside it
+            _restore_dict(m._parameters, params)
+            _restore_dict(m._modules, submods)
+            for k in [k for k in m._buffers if k not in buffers]:
+                del m._buffers[k]
+            for k, (b, clone, version) in buffers.items():
+                if m._buffers.get(k, _MISSING) is not b:
+                    m._buffers[k] = b
+                if b is not None:
+                    _write_back(b, clone)
+
+
+def _restore_dict(current: dict, saved: dict) -> None:
+    if current.keys() == saved.keys() and all(current[k] is v for k, v in saved.items()):
+        return
+    current.clear()
+    current.update(saved)
+
+
+def _write_back(t: torch.Tensor, clone: torch.Tensor) -> None:
+    """Copy the snapshot back where the bytes changed. Version counters are not enough:
+    kernels such as batch_norm update running statistics without bumping them."""
+    if t.shape == clone.shape and t.dtype == clone.dtype and torch.equal(t, clone):
+        return  # (a NaN makes equal() False: such a buffer is simply written back)
+    with torch.no_grad():
+        if t.shape != clone.shape:
+            t.data = clone
+        else:
+            t.copy_(clone)
