@@ -104,3 +104,76 @@ def test_replay_through_batchnorm_keeps_saved_buffers():
     buffers = {o.label: o.out.clone() for o in t.ops if o.kind == "buffer"}
     t.do("linear_1_1", tl.scale(2.0))
     assert all(torch.equal(t.ops[k].out, v) for k, v in buffers.items())
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(3, 4)
+
+
+def test_gradient_edit_on_rerun_with_loss():
+    m, x = _mlp()
+    t = tl.trace(m, x).fork()
+    t.do(tl.grad("relu_1_2"), tl.zero_ablate(), model=m, inputs=x, loss=lambda tr: tr.output.sum())
+    assert t.last_run["backward_ready_forced"] and torch.count_nonzero(m[0].weight.grad) == 0
+    assert torch.count_nonzero(m[2].weight.grad) > 0  # downstream of the site, gradients flow as usual
+    m.zero_grad()
+
+
+def test_capture_time_gradient_edit_scales_upstream_grads():
+    m, x = _mlp()
+    t = tl.trace(m, x, intervene=tl.when(tl.grad("relu_1_2"), tl.scale(2.0)),
+                 capture=tl.CaptureOptions(backward_ready=True, save_grads=True))
+    assert len(t.armed_edits) == 1
+    t.backward(t.output.sum())
+    edited = m[0].weight.grad.clone()
+    m.zero_grad()
+    m(x).sum().backward()
+    assert torch.allclose(edited, 2 * m[0].weight.grad)
+    m.zero_grad()
+
+
+def test_gradient_sites_refused_where_they_cannot_run():
+    m, x = _mlp()
+    with pytest.raises(tl.errors.InterventionError) as info:
+        tl.when(tl.grad("relu_1_2"), tl.scale(2.0)).bind(m)(x)
+    assert info.value.code == "bind_rule_unsupported"
+    t = tl.trace(m, x).fork()
+    with pytest.raises(tl.errors.InterventionError) as info:
+        t.do("relu_1_2", tl.scale(2.0), model=m, inputs=x, loss=lambda tr: tr.output.sum())
+    assert info.value.code == "do_loss_without_gradient_site"
+    with pytest.raises(tl.errors.InterventionError) as info:
+        t.do(tl.grad("relu_1_2"), tl.scale(2.0), model=m, inputs=x, loss=3)
+    assert info.value.code == "do_loss_not_callable"
+
+
+def test_sweep_sets_the_site_to_each_value():
+    m, x = _mlp()
+    traces = tl.sweep(m, x, "relu_1_2", [0.0, 1.0])
+    with torch.no_grad():
+        for t, v in zip(traces, [0.0, 1.0]):
+            assert torch.equal(t["linear_2_3"].out, m[2](torch.full((3, 4), v)))
+
+
+def test_changed_helper_tensor_refuses_a_rerun():
+    m, x = _mlp()
+    direction = torch.ones(4)
+    t = tl.trace(m, x).fork()
+    t.do("relu_1_2", tl.steer(direction, 1.0), intervention=tl.InterventionOptions(engine="set_only"))
+    direction.add_(1.0)
+    with pytest.raises(tl.errors.InterventionError) as info:
+        t.run(m, x)
+    assert info.value.code == "helper_tensor_changed_since_capture"
+
+
+def test_positions_and_splice_module():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 5, 4)
+    t = tl.trace(m, x)
+    f = t.fork().do("linear_1_1", tl.positions(tl.zero_ablate(), [-1]))
+    h = t["linear_1_1"].out
+    assert torch.equal(f["linear_1_1"].out[:, -1], torch.zeros(2, 4)) and torch.equal(f["linear_1_1"].out[:, :-1], h[:, :-1])
+    double = nn.Identity()
+    g = t.fork().do("linear_1_1", tl.intervention.splice_module(lambda v: v * 2))
+    assert torch.equal(g["relu_1_2"].out, torch.relu(h * 2)) and double is not None

@@ -348,6 +348,10 @@ class Recorder:
                         pending[ptr] = [entry]
                     else:
                         lst.append(entry)
+        if plan is not None and eid in plan.grad_by_event:  # an armed gradient edit: edit what flows back
+            for o in outs:
+                if isinstance(o, Tensor) and o.requires_grad:
+                    o.register_hook(lambda g, eid=eid: plan.apply_grad(eid, g))
         if self.grad_store is not None:
             self._register_grad_hooks(eid, outs)
         if self.check_nonfinite is not None:

@@ -9,7 +9,10 @@ from torchlens.intervention.edits import (
     clamp,
     clip_norm,
     hook,
+    keep_grad,
     mean_ablate,
+    positions,
+    splice_module,
     patch_from,
     project_onto,
     project_out,
@@ -22,10 +25,12 @@ from torchlens.intervention.edits import (
 )
 from torchlens.intervention.live import BoundModel, EditPlan
 from torchlens.intervention.recipe import Recipe, Rule, when
+from torchlens.intervention.sweep import sweep
 from torchlens.intervention.subspace import SubspaceSite, UnitsSite, set_affine_coordinates, subspace, units
 
 __all__ = [
     "Edit", "HookContext", "SubspaceSite", "UnitsSite", "set_affine_coordinates", "subspace", "units", "Recipe", "Rule", "BoundModel", "EditPlan", "when",
+    "keep_grad", "positions", "splice_module", "sweep",
     "add", "add_noise", "clamp", "clip_norm", "hook", "mean_ablate", "patch_from", "project_onto", "project_out",
     "replace_with", "scale", "scramble_elements", "steer", "swap_with", "zero_ablate",
 ]

@@ -271,3 +271,72 @@ def as_edit(obj: Any) -> Edit:
         raise InterventionError("intervention_edit_invalid", "None is not an edit",
                                 remedy="pass a helper such as tl.zero_ablate(), a hook callable or a value")
     return replace_with(obj)
+
+
+def splice_module(module: Any, input_route: str = "out") -> Edit:
+    """Replace the site's value with `module(value)` (a black-box forward splice)."""
+    if input_route not in ("out", "in"):
+        raise InterventionError("intervention_edit_invalid", f"input_route={input_route!r} is not 'out' or 'in'",
+                                remedy="splice_module(module, input_route='out')")
+    if not callable(module):
+        raise InterventionError("intervention_edit_invalid", "splice_module needs a callable module",
+                                remedy="pass an nn.Module or function")
+    return Edit("splice_module", (("module", type(module).__name__), ("input_route", input_route)),
+                lambda v, ctx: module(v), portability="session", signal="forward", allow_shape_change=True)
+
+
+def positions(edit: Any, positions: Any, *, mask: Any = None, assume_no_padding: bool = False, axis: int = 1) -> Edit:
+    """Restrict a same-shape edit to chosen token positions of a (batch, tokens, ...) value."""
+    inner = as_edit(edit)
+    pos = tuple(positions) if isinstance(positions, (list, tuple, range)) else (int(positions),)
+
+    def fn(v: Any, ctx: HookContext) -> Any:
+        new = inner(v, ctx)
+        n = v.shape[axis]
+        picked = [p % n for p in pos]
+        keep = [i for i in range(n) if i not in picked]
+        if not keep:
+            return new
+        moved_new, moved_old = ctx.ops.moveaxis(new, axis, 0), ctx.ops.moveaxis(v, axis, 0)
+        sel = ctx.ops.asarray([[i in picked] for i in range(n)], None)
+        sel = sel.reshape((n,) + (1,) * (len(v.shape) - 1))
+        return ctx.ops.moveaxis(ctx.ops.where(sel, moved_new, moved_old), 0, axis)
+
+    return Edit("positions", (("edit", inner.identity()), ("positions", pos), ("axis", axis)), fn,
+                portability=inner.portability, signal=inner.signal, tensors=inner.tensors)
+
+
+def keep_grad(edit: Any) -> Edit:
+    """The same forward edit, checked at fire time to keep the autograd graph."""
+    inner = as_edit(edit)
+
+    def fn(v: Any, ctx: HookContext) -> Any:
+        out = inner(v, ctx)
+        if getattr(v, "requires_grad", False) and not getattr(out, "requires_grad", True):
+            from torchlens.errors import InvalidArgumentError
+
+            raise InvalidArgumentError("edit_detached_from_graph", f"{inner.name} at {ctx.label} wrote values with no graph",
+                                       remedy="use a graph-keeping form, e.g. keep_grad(tl.scale(0.0))", label=ctx.label,
+                                       reason="edit_detached")
+        return out
+
+    return Edit(inner.name, inner.kwargs + (("keep_grad", True),), fn, portability="opaque_audit", signal=inner.signal,
+                tensors=inner.tensors, allow_shape_change=inner.allow_shape_change)
+
+
+def stamp_tensors(edit: Edit) -> None:
+    """Record a content digest of each tensor an edit holds (at staging time)."""
+    if edit.tensors and "_digests" not in edit.__dict__:
+        object.__setattr__(edit, "_digests", tuple(tensor_digest(t) for t in edit.tensors))
+
+
+def check_tensors_unchanged(edit: Edit) -> None:
+    """Refuse when a tensor the edit holds changed after it was staged."""
+    staged = edit.__dict__.get("_digests")
+    if staged is None:
+        return
+    for t, d in zip(edit.tensors, staged):
+        if tensor_digest(t) != d:
+            raise InterventionError("helper_tensor_changed_since_capture",
+                                    f"a tensor held by {edit.name} changed after the edit was staged",
+                                    remedy="re-stage the edit (trace.clear_edits(site) then trace.do(...)) to use the new value")

@@ -19,12 +19,24 @@ from torchlens.intervention.recipe import Recipe
 class EditPlan:
     """event id -> edits, applied by the backend to an op's output slots as it runs."""
 
-    def __init__(self, by_event: dict[int, list[Edit]], labels: dict[int, str], ops: Any) -> None:
+    def __init__(self, by_event: dict[int, list[Edit]], labels: dict[int, str], ops: Any,
+                 grad_by_event: dict[int, list[Edit]] | None = None) -> None:
         self.by_event = by_event
+        self.grad_by_event = grad_by_event or {}
         self.labels = labels
         self.ops = ops
         self.fired: dict[int, int] = {}
+        self.grad_fired: dict[int, int] = {}
         self.run_state: dict = {}
+
+    def apply_grad(self, event_id: int, grad: Any) -> Any:
+        """Edit the gradient arriving at an op's output (a backward hook)."""
+        ctx = HookContext(self.labels.get(event_id, str(event_id)), None, None, self.ops, signal="backward",
+                          run_state=self.run_state)
+        for edit in self.grad_by_event[event_id]:
+            grad = edit(grad, ctx)
+        self.grad_fired[event_id] = self.grad_fired.get(event_id, 0) + 1
+        return grad
 
     def __contains__(self, event_id: int) -> bool:
         return event_id in self.by_event
@@ -54,22 +66,20 @@ def _check_backend(proto: Any) -> None:
     proto.capabilities().refuse_unless("interventions", f"the {proto.name} backend cannot apply interventions")
 
 
-def _plan(structure: Any, recipe: Recipe, ops: Any) -> tuple[dict[int, list[Edit]], dict[int, str], list]:
+def _plan(structure: Any, recipe: Recipe, ops: Any) -> tuple[dict[int, list[Edit]], dict[int, list[Edit]], dict[int, str], list]:
     from torchlens.intervention.verbs import lower_rules
 
-    for rule in recipe.rules:
-        if rule.signal != "forward":
-            raise InterventionError("bind_rule_unsupported", f"{rule.target!r} is a gradient site; live edits replace forward values",
-                                    remedy="edit gradients with trace.do(tl.grad(site), edit, model=..., inputs=..., loss=...)")
     by_event: dict[int, list[Edit]] = {}
+    grad_by_event: dict[int, list[Edit]] = {}
     labels: dict[int, str] = {}
     resolved = lower_rules(structure, list(recipe.rules))
-    for _rule, site_labels, applied, _source in resolved:
+    for rule, site_labels, applied, _source in resolved:
+        target = grad_by_event if rule.signal == "backward" else by_event
         for label in site_labels:
             op = structure._ops[label]
-            by_event.setdefault(op.event_id, []).append(applied)
+            target.setdefault(op.event_id, []).append(applied)
             labels[op.event_id] = label
-    return by_event, labels, resolved
+    return by_event, grad_by_event, labels, resolved
 
 
 def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Recipe, *, save: Any, capture: Any,
@@ -77,13 +87,25 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
     """Capture `model(*args)` with `recipe`'s edits live; the trace records the edited run."""
     from torchlens.intervention.verbs import _audit, _state, _zero_fire
 
+    import dataclasses
+
+    from torchlens.intervention.edits import check_tensors_unchanged
+
     _check_backend(proto)
+    for rule in recipe.rules:
+        check_tensors_unchanged(rule.edit)
     ops = proto.edit_ops()
+    has_grad = any(r.signal == "backward" for r in recipe.rules)
+    forced = False
+    if has_grad and not capture.backward_ready:
+        proto.capabilities().refuse_unless("backward_capture", f"the {proto.name} backend cannot edit gradients")
+        capture = dataclasses.replace(capture, backward_ready=True, inference_only=None)
+        forced = True
     structure = proto.capture(model, args, kwargs, save="none", capture=capture)
-    by_event, labels, resolved = _plan(structure, recipe, ops)
-    if not by_event:
+    by_event, grad_by_event, labels, resolved = _plan(structure, recipe, ops)
+    if not by_event and not grad_by_event:
         _zero_fire(on_zero_fire, zero_fire_code, list(recipe.rules))
-    plan = EditPlan(by_event, labels, ops)
+    plan = EditPlan(by_event, labels, ops, grad_by_event)
     result = proto.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=plan)
     if check_graph and result.labels != structure.labels:
         warnings.warn("[rerun_graph_diverged] the edited run recorded a different graph than the unedited run; "
@@ -93,7 +115,9 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
     st["is_fork"] = True
     _audit(st, "live", resolved)
     st["last_run"] = {"engine": "live", "hooks_fired": len(plan.fired),
-                      "hooks_unfired": [labels[e] for e in by_event if e not in plan.fired]}
+                      "hooks_unfired": [labels[e] for e in by_event if e not in plan.fired],
+                      "backward_ready_forced": forced, "armed_gradient_edits": len(grad_by_event)}
+    result.__dict__["_edit_plan"] = plan
     result.annotations["unmatched_capture_selectors"] = [repr(r.target) for r, lbs, _, _ in resolved if not lbs]
     return result
 
@@ -157,6 +181,11 @@ class BoundModel:
         return proto
 
     def _module_rules(self) -> list[tuple[str, int | None, Edit]] | None:
+        for rule in self._recipe.rules:
+            if rule.signal != "forward":
+                raise InterventionError("bind_rule_unsupported",
+                                        f"{rule.target!r} is a gradient site; a bound executor replaces forward values only",
+                                        remedy="edit gradients with trace.do(tl.grad(site), edit, model=..., inputs=..., loss=...)")
         out = []
         for rule in self._recipe.rules:
             parts = module_rule_parts(rule.target)

@@ -58,11 +58,21 @@ def _state(trace: Any) -> dict:
 
 
 def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs: Any = None, intervention: Any = None,
-       input_kwargs: dict | None = None) -> Any:
+       input_kwargs: dict | None = None, loss: Any = None) -> Any:
+    from torchlens.intervention.edits import stamp_tensors
     from torchlens.options import InterventionOptions
 
     opts = intervention or InterventionOptions()
     rules = normalize_plan(site, edit)
+    for r in rules:
+        stamp_tensors(r.edit)
+    if loss is not None:
+        if not callable(loss):
+            raise InterventionError("do_loss_not_callable", f"loss= takes a callable of the returned trace, not {type(loss).__name__}",
+                                    remedy="loss=lambda t: t.output.sum()")
+        if not any(_is_grad(r.target) for r in rules):
+            raise InterventionError("do_loss_without_gradient_site", "loss= was given but no rule edits a gradient site",
+                                    remedy="wrap the site in tl.grad(...) or drop loss=")
     engine = opts.engine
     if engine is None:
         if (model is None) != (inputs is None):
@@ -96,7 +106,10 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         _adopt(trace, result)
         st = _state(trace)
         st["recipe"] = new_recipe
+        st["last_run"] = result.__dict__["_intervention"]["last_run"]
         _audit(st, engine, resolved)
+        if loss is not None:
+            trace.backward(loss(trace))
         return trace
     # replay
     from torchlens.intervention.replay import replay

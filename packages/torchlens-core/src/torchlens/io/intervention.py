@@ -164,18 +164,6 @@ class InterventionSpec:
     hook_specs: tuple[HookSpec, ...]
 
 
-def _check_tensors_unchanged(edit: Any) -> None:
-    from torchlens.intervention.edits import tensor_digest
-
-    staged = getattr(edit, "_digests", None)
-    if staged is None:
-        return
-    for t, d in zip(edit.tensors, staged):
-        if tensor_digest(t) != d:
-            raise InterventionError("helper_tensor_changed_since_capture", f"a tensor held by {edit.name} changed after staging",
-                                    remedy="re-stage the edit to use the new value")
-
-
 def _rebuild_edit(name: str, kw: dict[str, Any], where: str) -> Any:
     import torchlens as tl
     from torchlens.intervention.subspace import subspace_edit_from_rows, units_edit
@@ -244,8 +232,10 @@ def save_intervention(obj: Any, path: Any, *, level: str = "portable", overwrite
     w = _Writer(backend_codec(backend))
     out_rules = []
     for i, rule in enumerate(rules):
+        from torchlens.intervention.edits import check_tensors_unchanged
+
+        check_tensors_unchanged(rule.edit)
         site, edit, _ = lower(rule.target, rule.edit)
-        _check_tensors_unchanged(edit)
         if edit.portability != "builtin":
             if level == "portable":
                 raise InterventionError("intervention_spec_not_portable",

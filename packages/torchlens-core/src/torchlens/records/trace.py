@@ -307,12 +307,13 @@ class Trace:
 
     # interventions -----------------------------------------------------------------------
     def do(self, site: Any, edit: Any = None, /, *, model: Any = None, inputs: Any = None, intervention: Any = None,
-           input_kwargs: dict | None = None) -> "Trace":
+           input_kwargs: dict | None = None, loss: Any = None) -> "Trace":
         """Stage an edit at `site` and propagate it: through the recorded graph (replay, no
         model), or by re-executing `model` on `inputs` (rerun). Returns this trace."""
         from torchlens.intervention.verbs import do
 
-        return do(self, site, edit, model=model, inputs=inputs, intervention=intervention, input_kwargs=input_kwargs)
+        return do(self, site, edit, model=model, inputs=inputs, intervention=intervention, input_kwargs=input_kwargs,
+                  loss=loss)
 
     def fork(self, name: str | None = None) -> "Trace":
         """A copy with its own intervention spec and values; edits to it leave this trace alone."""

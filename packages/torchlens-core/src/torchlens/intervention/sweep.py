@@ -1,0 +1,30 @@
+"""`tl.sweep`: one intervened capture per swept replacement value."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+
+def sweep(model: Any, inputs: Any, site: Any, values: Iterable[Any], *, edit: Callable[[Any], Any] | None = None,
+          save: Any = "all", loss: Callable[[Any], Any] | None = None, **trace_kwargs: Any) -> list[Any]:
+    """Capture `model(inputs)` once per value, with `site` set to that value.
+
+    `edit` turns a value into an edit (default `tl.replace_with`, so a scalar fills the
+    site); `loss=` (a callable of each returned trace) runs its backward in the same call.
+    Returns the traces in the order of `values`.
+    """
+    import torchlens as tl
+    from torchlens.errors import InterventionError
+
+    make = edit or tl.replace_with
+    args = tuple(inputs) if isinstance(inputs, tuple) else (inputs,)
+    out = []
+    for v in values:
+        t = tl.trace(model, *args, save=save, intervene=tl.when(site, make(v)), **trace_kwargs)
+        if loss is not None:
+            if not callable(loss):
+                raise InterventionError("do_loss_not_callable", "loss= takes a callable of the returned trace",
+                                        remedy="loss=lambda t: t.output.sum()")
+            t.backward(loss(t))
+        out.append(t)
+    return out
