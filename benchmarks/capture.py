@@ -165,8 +165,12 @@ sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 import capture as B
 import torchlens
 m, x = B.gpt2_small({tokens}) if {model!r} == "gpt2" else B.resnet_like()
-fns = {{"plain forward": lambda: m(x),
-        "PyPI torchlens log_forward_pass": lambda: torchlens.log_forward_pass(m, x, layers_to_save="all")}}
+entry = getattr(torchlens, "log_forward_pass", None)
+if entry is not None:  # torchlens < 2
+    run = lambda: entry(m, x, layers_to_save="all")
+else:  # torchlens 2.x: trace() saves every layer by default
+    run = lambda: torchlens.trace(m, x)
+fns = {{"plain forward": lambda: m(x), "PyPI torchlens trace (save all)": run}}
 print(json.dumps(B.measure(fns, {rounds})))
 """
     try:
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.pypi_torchlens_python:
             pypi = _pypi_torchlens_worker(args.pypi_torchlens_python, model_name, args.tokens, args.rounds)
             if pypi:
-                summary["PyPI torchlens log_forward_pass"] = pypi["PyPI torchlens log_forward_pass"]
+                summary["PyPI torchlens trace (save all)"] = pypi["PyPI torchlens trace (save all)"]
         report["models"][model_name] = {"label": label, "results": summary}
         print(f"\n{label} (median of {args.rounds} interleaved rounds, {torch.get_num_threads()} threads)")
         print(f"{'variant':36s} {'median s':>10s} {'ratio':>8s}")

@@ -187,3 +187,26 @@ def test_bound_model_report(mlp):
     out = bound(x)
     assert np.array_equal(out, model[2](model[1](np.zeros((3, 8), np.float32))))
     assert bound.last_report["fire_counts"] == {0: 1} and bound.model is model
+
+
+def test_direct_write_marks_the_trace_dirty_once(mlp):
+    model, x = mlp
+    t = tl.trace(model, x)
+    assert not t.direct_write_dirty
+    with pytest.warns(tl.errors.TraceMutationWarning):
+        t["relu_1_2"].out = np.zeros((3, 8), np.float32)
+    assert t.direct_write_dirty and np.array_equal(t["relu_1_2"].out, np.zeros((3, 8), np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t["linear_1_1"].out = np.ones((3, 8), np.float32)  # warned once per trace
+
+
+def test_subspace_ablate_and_interchange(mlp):
+    model, x = mlp
+    base, donor = tl.trace(model, x), tl.trace(model, x * 3)
+    basis = np.eye(8, dtype=np.float64)[:2]
+    a = base.fork().do("linear_1_1", tl.intervention.subspace_ablate(basis))["linear_1_1"].out
+    h = base["linear_1_1"].out
+    assert np.allclose(a[:, :2], 0) and np.allclose(a[:, 2:], h[:, 2:])
+    b = base.fork().do("linear_1_1", tl.intervention.subspace_interchange(donor, basis))["linear_1_1"].out
+    assert np.allclose(b[:, :2], donor["linear_1_1"].out[:, :2]) and np.allclose(b[:, 2:], h[:, 2:])

@@ -19,6 +19,7 @@ from torchlens.build import (
     OpEvent,
     ParamInfo,
     build_trace,
+    fill_template,
 )
 from torchlens.build.save import apply_save, save_plan
 from torchlens.errors import InvalidArgumentError, TraceCaptureError
@@ -256,15 +257,20 @@ class ReferenceBackend:
     def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
         """Replay every op on its parents' saved values and compare with its saved output."""
         params = {a: p.value for a, p in trace._params.items()}
+        by_event = {o.event_id: o for o in trace.ops}
         decisions = []
         for op in trace.ops:
             if op.kind != "op" or op.func is None:
                 continue
             if not op.saved or any(not trace.ops[p].saved for p in op.parents):
                 return ValidationStatus(False, op.label, "parent_payload_missing", decisions)
-            parents = [trace.ops[p].out for p in op.parents]
-            args = [parents[a.index] if isinstance(a, ArgRef) and a.address is None else
-                    params[a.address] if isinstance(a, ArgRef) else a for a in op.args_template]
+            def fill(ref: ArgRef, op: Any = op) -> Any:
+                if ref.address is not None:
+                    return params[ref.address]
+                eid, slot = op.parent_slots[ref.index]
+                return by_event[eid].outs[slot]
+
+            args = fill_template(tuple(op.args_template), fill)
             state = op.meta.get("rng_state")
             if state is not None:
                 from torchlens_reference import ops as _ops

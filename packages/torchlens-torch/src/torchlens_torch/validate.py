@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torchlens.backends.protocol import ValidationStatus
-from torchlens.build.events import ArgRef
+from torchlens.build.events import ArgRef, fill_template
 
 #: callables whose output does not depend on the values of the listed argument positions
 #: ("all": of any tensor argument).
@@ -58,18 +58,6 @@ def _same(a: Any, b: Any) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(torch.equal(a, b) or ((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
     return bool(torch.equal(a, b))
-
-
-def _fill(template: Any, fill: Any) -> Any:
-    if isinstance(template, ArgRef):
-        return fill(template)
-    if type(template) is tuple:
-        return tuple(_fill(t, fill) for t in template)
-    if type(template) is list:
-        return [_fill(t, fill) for t in template]
-    if type(template) is dict:
-        return {k: _fill(v, fill) for k, v in template.items()}
-    return template
 
 
 def _template_indices(template: Any) -> set[int]:
@@ -119,7 +107,7 @@ class _Replayer:
             v = self.parent_value(op, ref)
             return v
 
-        args, kwargs = safe_replay_args(op, _fill(op.args_template, fill), _fill(op.kwargs_template or {}, fill))
+        args, kwargs = safe_replay_args(op, fill_template(op.args_template, fill), fill_template(op.kwargs_template or {}, fill))
         state = op.meta.get("rng_state")
         saved_state = torch.get_rng_state()
         try:

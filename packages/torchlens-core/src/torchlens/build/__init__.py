@@ -11,7 +11,8 @@ from torchlens.build.events import (
     ModuleInfo,
     OpEvent,
     ParamInfo,
+    fill_template,
 )
 
 __all__ = ["build_trace", "normalize_type", "ArgRef", "BufferInfo", "EventLog", "ModelInfo", "ModuleEnter",
-           "ModuleExit", "ModuleInfo", "OpEvent", "ParamInfo"]
+           "ModuleExit", "ModuleInfo", "OpEvent", "ParamInfo", "fill_template"]

@@ -145,6 +145,20 @@ class ArgRef:
     address: str | None = None
 
 
+def fill_template(template: Any, fill: Any) -> Any:
+    """An argument template with each `ArgRef` replaced by `fill(ref)` (tuples, lists and
+    dicts rebuilt; every other literal kept as recorded)."""
+    if isinstance(template, ArgRef):
+        return fill(template)
+    if type(template) is tuple:
+        return tuple(fill_template(t, fill) for t in template)
+    if type(template) is list:
+        return [fill_template(t, fill) for t in template]
+    if type(template) is dict:
+        return {k: fill_template(v, fill) for k, v in template.items()}
+    return template
+
+
 class EventLog:
     """An append-only list of events with an id counter. Backends own one per capture."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchlens.build.events import ArgRef
+from torchlens.build.events import ArgRef, fill_template
 from torchlens.errors import InterventionError
 from torchlens.intervention.edits import Edit, HookContext
 
@@ -95,18 +95,6 @@ def _value(trace: Any, ref: ArgRef, op: Any, ev2label: dict, changed: dict) -> A
     return outs[slot]
 
 
-def _fill(template: Any, fill: Any) -> Any:
-    if isinstance(template, ArgRef):
-        return fill(template)
-    if type(template) is tuple:
-        return tuple(_fill(t, fill) for t in template)
-    if type(template) is list:
-        return [_fill(t, fill) for t in template]
-    if type(template) is dict:
-        return {k: _fill(v, fill) for k, v in template.items()}
-    return template
-
-
 def _reexecute(trace: Any, op: Any, ev2label: dict, changed: dict, ops: Any) -> tuple:
     if op.kind == "output":
         eid, slot = op.parent_slots[0]
@@ -119,8 +107,8 @@ def _reexecute(trace: Any, op: Any, ev2label: dict, changed: dict, ops: Any) -> 
         v = _value(trace, ref, op, ev2label, changed)
         return v
 
-    args = _fill(op.args_template, fill)
-    kwargs = _fill(op.kwargs_template or {}, fill)
+    args = fill_template(op.args_template, fill)
+    kwargs = fill_template(op.kwargs_template or {}, fill)
     prepare = getattr(ops, "replay_args", None)
     if prepare is not None:  # the backend knows which arguments an op writes into
         args, kwargs = prepare(op, tuple(args), dict(kwargs))

@@ -200,3 +200,28 @@ def lower(site: Any, edit: Edit) -> tuple[Any, Edit, str]:
     if isinstance(site, UnitsSite):
         return site.site, units_edit(site.mask, edit), "units"
     return site, edit, "direct"
+
+
+def subspace_ablate(basis: Any, *, atol: float = 0.0) -> Edit:
+    """Remove the component of the value inside the span of `basis` rows (last axis)."""
+    q64, _ = orthonormal_rows(basis, atol)
+
+    def fn(x: Any, ctx: HookContext) -> Any:
+        q = ctx.ops.asarray(q64, x)
+        return x - (x @ q.T) @ q
+
+    return Edit("subspace_ablate", (("rows", q64),), fn, tensors=(basis,))
+
+
+def subspace_interchange(source: Any, basis: Any, *, atol: float = 0.0) -> Edit:
+    """Give the value the donor trace's component inside the span of `basis` rows, keeping
+    its own orthogonal complement (the distributed-alignment interchange)."""
+    q64, _ = orthonormal_rows(basis, atol)
+
+    def fn(x: Any, ctx: HookContext) -> Any:
+        q = ctx.ops.asarray(q64, x)
+        donor = source.ops[ctx.label].out
+        return x + ((ctx.ops.asarray(donor, x) - x) @ q.T) @ q
+
+    return Edit("subspace_interchange", (("source", f"<trace {getattr(source, 'name', '?')}>"), ("rows", q64)), fn,
+                portability="session", signal="forward", tensors=(basis,))

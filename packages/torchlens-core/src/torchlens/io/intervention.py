@@ -176,6 +176,8 @@ def _rebuild_edit(name: str, kw: dict[str, Any], where: str) -> Any:
     try:
         if name in simple:
             return simple[name](**kw)
+        if name == "subspace_ablate":
+            return tl.intervention.subspace_ablate(np.asarray(kw["rows"], dtype=np.float64))
         if name in ("subspace_edit", "units_edit"):
             verb = _rebuild_edit(kw["verb"], dict(kw["verb_kwargs"]), where + ".verb")
             if name == "units_edit":

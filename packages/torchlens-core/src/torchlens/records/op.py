@@ -75,6 +75,24 @@ class Op:
         outs = self.outs
         return outs if self.multi_output else outs[0]
 
+    @out.setter
+    def out(self, value: Any) -> None:
+        """A direct write: bypasses the intervention recipe, so the trace is marked
+        DIRECT_WRITE_DIRTY (warned once per trace); use `trace.do` for an auditable edit."""
+        import warnings
+
+        from torchlens.errors import TraceMutationWarning
+
+        self._outputs = tuple(value) if self.multi_output else (value,)
+        self.saved = True
+        from torchlens.intervention.verbs import _state
+
+        st = _state(self._trace)
+        if not st.get("direct_write_dirty"):
+            st["direct_write_dirty"] = True
+            warnings.warn(f"direct write to {self.label}.out bypasses the intervention recipe; the trace is now "
+                          "DIRECT_WRITE_DIRTY (use trace.do for an auditable edit)", TraceMutationWarning, stacklevel=2)
+
     @property
     def grad(self) -> Any:
         """Gradient of the loss with respect to this op's output (after `trace.backward`)."""
@@ -203,6 +221,10 @@ class Layer:
     @property
     def out(self) -> Any:
         return self._single("out").out
+
+    @out.setter
+    def out(self, value: Any) -> None:
+        self._single("out").out = value
 
     @property
     def outs(self) -> Any:

@@ -357,6 +357,13 @@ class Trace:
         return _state(self)["last_run"]
 
     @property
+    def direct_write_dirty(self) -> bool:
+        """True once a saved value was overwritten directly (`op.out = v`), outside the recipe."""
+        from torchlens.intervention.verbs import _state
+
+        return bool(_state(self).get("direct_write_dirty"))
+
+    @property
     def armed_edits(self) -> tuple:
         return tuple(r for r in self.recipe.rules if r.signal == "backward")
 
