@@ -54,27 +54,58 @@ def check_encoded(payload: EncodedPayload, where: str) -> None:
                             remedy="fix the backend's payload codec", at=where)
 
 
+#: Tensors start on this boundary (in the file and in the read buffer), so a loaded payload
+#: is as aligned as a freshly allocated one: CPU kernels pick code paths (and round) by it.
+ALIGN = 64
+PAD_PREFIX = "__tlpad_"
+
+
 def write_blob(path: str, entries: list[tuple[str, EncodedPayload]], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write `entries` as one safetensors file; return (size, sha256 hex)."""
-    order = sorted(entries, key=lambda e: -_ST_ITEMSIZE[STORAGE[e[1].dtype][0]])  # keeps every tensor aligned
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    """Write `entries` as one safetensors file; return (size, sha256 hex).
+
+    Every tensor starts on an `ALIGN`-byte boundary: the header is padded with spaces and the
+    gaps between tensors are filled by uint8 padding entries named `__tlpad_<n>` (the format
+    allows no holes), which readers of ours skip."""
+    order = sorted(entries, key=lambda e: -_ST_ITEMSIZE[STORAGE[e[1].dtype][0]])
+    layout: list[tuple[str, Any]] = []
     offset = 0
     for name, p in order:
-        n = p.array.nbytes
-        header[name] = {"dtype": STORAGE[p.dtype][0], "shape": storage_shape(p), "data_offsets": [offset, offset + n]}
-        offset += n
+        gap = -offset % ALIGN
+        if gap:
+            layout.append((f"{PAD_PREFIX}{len(layout)}", gap))
+            offset += gap
+        layout.append((name, p))
+        offset += p.array.nbytes
+    header: dict[str, Any] = {"__metadata__": {**metadata, "align": str(ALIGN)}}
+    pos = 0
+    for name, p in layout:
+        if isinstance(p, int):
+            header[name] = {"dtype": "U8", "shape": [p], "data_offsets": [pos, pos + p]}
+            pos += p
+        else:
+            n = p.array.nbytes
+            header[name] = {"dtype": STORAGE[p.dtype][0], "shape": storage_shape(p), "data_offsets": [pos, pos + n]}
+            pos += n
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    head += b" " * (-(len(head) + 8) % 8)
+    head += b" " * (-(len(head) + 8) % ALIGN)
     h = hashlib.sha256()
     with open(path, "wb") as f:
         for chunk in (len(head).to_bytes(8, "little"), head):
             f.write(chunk)
             h.update(chunk)
-        for _, p in order:
-            for part in _byte_chunks(p.array):
+        for _, p in layout:
+            parts = (bytes(p),) if isinstance(p, int) else _byte_chunks(p.array)
+            for part in parts:
                 f.write(part)
                 h.update(part)
     return 8 + len(head) + offset, h.hexdigest()
+
+
+def aligned_buffer(size: int) -> np.ndarray:
+    """A writable byte buffer whose first byte sits on an `ALIGN`-byte boundary."""
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    off = -raw.ctypes.data % ALIGN
+    return raw[off:off + size]
 
 
 def _byte_chunks(arr: np.ndarray) -> Any:
@@ -176,7 +207,7 @@ def read_blob(path: str, name: str, size: int, sha256: str | None, lazy: bool) -
             _check_digest(name, total, size, h.hexdigest(), sha256)
             buffer: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else bytearray()
     else:
-        buffer = bytearray(size)
+        buffer = aligned_buffer(size)
         with open(path, "rb") as f:
             got = f.readinto(buffer)
             extra = f.read(1)

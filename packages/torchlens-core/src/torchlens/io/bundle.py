@@ -238,7 +238,7 @@ def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
         encoded[key] = blobfile.payload_from_storage(blobs[blob], tensor, dtype, shape, meta)
     used = {(r[0], r[1]) for r in payload_rows.values()}
     for bname, blob in blobs.items():
-        if any((bname, t) not in used for t in blob.entries):
+        if any((bname, t) not in used for t in blob.entries if not t.startswith(blobfile.PAD_PREFIX)):
             raise ArtifactError("blob_malformed", f"{bname} holds tensors no payload record names",
                                 remedy="the artifact was modified; save the trace again", blob=bname)
     codec = codec_named(manifest["codec"], manifest["backend"]["name"]) if encoded and decode else None

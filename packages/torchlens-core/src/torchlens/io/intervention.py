@@ -334,7 +334,7 @@ def load_intervention_spec(path: Any) -> InterventionSpec:
             raise ArtifactError("artifact_file_missing", f"{blob_name} is not listed", remedy="save the spec again")
         b = files[blob_name]
         blob = blobfile.read_blob(str(bundle / blob_name), blob_name, b["size"], b["sha256"], False)
-        if set(blob.entries) != set(doc["tensors"]):
+        if {t for t in blob.entries if not t.startswith(blobfile.PAD_PREFIX)} != set(doc["tensors"]):
             raise ArtifactError("record_reference_invalid", "the blob's tensors differ from the tensor table",
                                 remedy="save the spec again")
         for tname, info in doc["tensors"].items():

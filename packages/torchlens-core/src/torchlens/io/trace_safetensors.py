@@ -156,7 +156,7 @@ def read_safetensors(path: Any) -> SafetensorsTrace:
     keys = {"schema", "format_version", "format_digest", "codec", "accuracy", "trace_fields", "op_fields", "tensors", "omitted"}
     if not isinstance(header, dict) or set(header) != keys or header["schema"] != SCHEMA:
         raise _invalid(f"the header is not a {SCHEMA} header")
-    if not isinstance(header["tensors"], dict) or set(header["tensors"]) != set(blob.entries):
+    if not isinstance(header["tensors"], dict) or set(header["tensors"]) != {t for t in blob.entries if not t.startswith(blobfile.PAD_PREFIX)}:
         raise _invalid("the header's tensor list disagrees with the file's tensors")
     tensors = {}
     codec = None
