@@ -29,13 +29,6 @@ def _du(path: str) -> int:
 def _gpt2_trace():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    import torchlens_torch.backend as backend
-
-    if not hasattr(backend.TorchBackend, "payload_codec"):  # until the backend ships the one-line member
-        from torchlens_torch.codec import TorchCodec
-
-        backend.TorchBackend.payload_codec = lambda self: TorchCodec()
-        print("note: TorchBackend.payload_codec patched in for this run")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12)).eval()
     ids = torch.randint(0, 50257, (1, 128))
