@@ -207,3 +207,15 @@ def test_constants_and_literal_producers():
     zeros = t[tl.func("zeros")].first()
     assert zeros.parents == () and zeros.is_source
     assert t.ops["add_1_3"].parents == ("input_1", const[0].label)
+
+
+def test_count_by_kind_uses_the_op_family_token():
+    from torchlens_reference import nn, ops
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            return ops.add(ops.add(x, x), x)
+
+    t = tl.trace(Twice(), np.ones(2, np.float32))
+    assert t.ops.count_by("kind") == {"input": 1, "add": 2, "output": 1}
+    assert t.ops["add_2_2"].func_name == "add"

@@ -123,8 +123,10 @@ class Collection(Generic[R]):
         return out
 
     def _field(self, rec: Any, key: str) -> Any:
-        if key == "kind" and hasattr(rec, "func_name"):
-            return rec.func_name
+        if key == "kind" and hasattr(rec, "func_name"):  # the op family token: __add__ and add_ are "add"
+            from torchlens.build.builder import normalize_type
+
+            return normalize_type(rec.func_name)
         return getattr(rec, key)
 
     def _has_field(self, rec: Any, key: str) -> bool:
