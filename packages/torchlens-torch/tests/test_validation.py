@@ -102,3 +102,12 @@ def test_validate_restores_rng_and_threads():
 def test_validate_bad_scope_is_typed():
     with pytest.raises(tl.errors.InvalidArgumentError):
         tl.validate(Sub(), torch.randn(3, 4), scope="everything")
+
+
+def test_count_by_kind_normalises_dunder_names():
+    class M(nn.Module):
+        def forward(self, x):
+            return (x + 1) * (x == 0)
+
+    t = tl.trace(M(), torch.randn(3))
+    assert t.ops.count_by("kind") == {"input": 1, "add": 1, "eq": 1, "mul": 1, "output": 1}
