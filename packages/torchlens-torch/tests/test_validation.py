@@ -111,3 +111,38 @@ def test_count_by_kind_normalises_dunder_names():
 
     t = tl.trace(M(), torch.randn(3))
     assert t.ops.count_by("kind") == {"input": 1, "add": 1, "eq": 1, "mul": 1, "output": 1}
+
+
+class _Writer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.hist = []
+        self.scale = 1.0
+        self.gone = 5
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.last = y
+        self.hist.append(len(self.hist))
+        self.scale = 2.0
+        del self.gone
+        return y
+
+
+def test_attribute_writes_are_recorded_and_undone():
+    m = _Writer()
+    t = tl.trace(m, torch.randn(2, 3))
+    w = t.modules["self"].attribute_writes
+    assert {k: v.kind for k, v in w.items()} == {"last": "added", "hist": "replaced", "scale": "replaced", "gone": "removed"}
+    assert torch.equal(w["last"].value, t["linear_1_1"].out) and w["hist"].value == [0] and w["scale"].value == 2.0
+    assert t.modules["fc"].attribute_writes == {}
+    assert m.hist == [] and m.scale == 1.0 and m.gone == 5 and not hasattr(m, "last")  # pure observer
+
+
+def test_attribute_writes_under_carry_state():
+    m = _Writer()
+    t = tl.trace(m, torch.randn(2, 3), capture=tl.CaptureOptions(carry_state=True))
+    assert {k: v.kind for k, v in t.modules["self"].attribute_writes.items()} == {
+        "last": "added", "hist": "replaced", "scale": "replaced", "gone": "removed"}
+    assert m.hist == [0] and m.scale == 2.0 and not hasattr(m, "gone")  # advanced like model(x)

@@ -62,4 +62,17 @@ class CallablePlaceholder:
                             remedy="capture again from the live model to run this op", qualname=self.qualname, at=self.at)
 
 
-__all__ = ["UnencodableValue", "CallablePlaceholder", "REPR_LIMIT"]
+@dataclass(frozen=True)
+class AttributeWrite:
+    """One plain instance attribute a module's forward wrote during a capture.
+
+    - `kind`: "added", "replaced" (a rebinding or an in-place change) or "removed".
+    - `value`: what the forward left: the object itself when it bound a new one, a copy when
+      it changed the original in place (containers copied, tensors cloned), None when removed.
+    """
+
+    kind: str
+    value: Any = None
+
+
+__all__ = ["UnencodableValue", "CallablePlaceholder", "AttributeWrite", "REPR_LIMIT"]

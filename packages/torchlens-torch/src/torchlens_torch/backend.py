@@ -328,7 +328,7 @@ class _Capture:
 
         # from here on every path restores the state it snapshots
         rng = RngSnapshot()
-        state = None if opts.carry_state else ModelStateSnapshot(desc.modules)
+        state = ModelStateSnapshot(desc.modules)  # restored unless carry_state; read for attribute_writes
         if opts.seed is not None:
             seed_all(opts.seed)
         rng_at_forward = torch.get_rng_state()
@@ -363,7 +363,8 @@ class _Capture:
                 if failure is None:
                     rec.add_outputs(list(iter_leaves(output, "output")))
             finally:
-                if state is not None:
+                writes = state.writes()
+                if not opts.carry_state:
                     state.restore()
                 rng.restore()
 
@@ -388,6 +389,10 @@ class _Capture:
         trace = build_trace(desc.info, rec.log, output=output, provenance=provenance, options=options,
                             backend=self.backend)
         trace.cost.forward_duration = forward_duration
+        for addr, m in desc.modules:
+            rec_m = trace._modules.get(addr)
+            if rec_m is not None:
+                rec_m._attribute_writes = writes.get(id(m), {})
         if self.plan.kind == "select":
             apply_save(trace, self.plan)
         trace._torch_extras = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)

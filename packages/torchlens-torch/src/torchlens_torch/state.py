@@ -128,6 +128,30 @@ class ModelStateSnapshot:
                        for k, b in m._buffers.items()}
             self.entries.append((m, attrs, containers, dict(m._parameters), buffers, dict(m._modules)))
 
+    def writes(self) -> dict[int, dict[str, Any]]:
+        """id(module) -> {attribute: AttributeWrite} for what the forward wrote (read before
+        `restore`): added, rebound or removed attributes and builtin containers or tensors
+        changed in place. Custom objects are tracked by identity only."""
+        from torchlens.types import AttributeWrite
+
+        out: dict[int, dict[str, Any]] = {}
+        for m, attrs, containers, _params, _buffers, _submods in self.entries:
+            d = m.__dict__
+            w: dict[str, Any] = {}
+            for k, v in d.items():
+                if k not in attrs and k not in MODULE_INTERNALS:
+                    w[k] = AttributeWrite("added", v)
+            for k, v in attrs.items():
+                cur = d.get(k, _MISSING)
+                if cur is _MISSING:
+                    w[k] = AttributeWrite("removed", None)
+                elif cur is not v:
+                    w[k] = AttributeWrite("replaced", cur)
+                elif k in containers and _changed(v, containers[k]):
+                    w[k] = AttributeWrite("replaced", _copy(v))
+            out[id(m)] = w
+        return out
+
     def restore(self) -> None:
         for m, attrs, containers, params, buffers, submods in self.entries:
             d = m.__dict__
@@ -156,6 +180,39 @@ class ModelStateSnapshot:
                     m._buffers[k] = b
                 if b is not None:
                     _write_back(b, clone)
+
+
+def _changed(current: Any, snap: Any, depth: int = 0) -> bool:
+    """Whether a value differs from its snapshot (tensors by bytes, containers recursively,
+    other objects by identity)."""
+    if type(snap) is _TensorSnap:
+        c = snap.clone
+        return not (current.shape == c.shape and current.dtype == c.dtype and torch.equal(current.detach(), c))
+    if depth >= _MAX_DEPTH:
+        return current is not snap
+    if type(snap) is dict:
+        return (type(current) is not dict or current.keys() != snap.keys()
+                or any(_changed(current[k], snap[k], depth + 1) for k in snap))
+    if type(snap) in (list, tuple):
+        return (type(current) is not type(snap) or len(current) != len(snap)
+                or any(_changed(a, b, depth + 1) for a, b in zip(current, snap)))
+    if type(snap) is set:
+        return current != snap
+    return current is not snap
+
+
+def _copy(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if depth >= _MAX_DEPTH:
+        return value
+    if type(value) is dict:
+        return {k: _copy(v, depth + 1) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_copy(v, depth + 1) for v in value)
+    if type(value) is set:
+        return set(value)
+    return value
 
 
 def _restore_dict(current: dict, saved: dict) -> None:

@@ -57,7 +57,7 @@ class Module:
 
     __slots__ = (
         "address", "class_name", "class_qualname", "parent", "children", "calls", "param_addresses",
-        "buffer_addresses", "all_addresses", "training", "_trace",
+        "buffer_addresses", "all_addresses", "training", "_trace", "_attribute_writes",
     )
 
     def __init__(self, address: str, class_name: str, class_qualname: str, parent: str | None,
@@ -72,6 +72,15 @@ class Module:
         self.buffer_addresses: list[str] = []
         self.all_addresses = all_addresses or (address,)
         self.training = training
+        self._attribute_writes: dict[str, Any] | None = None
+
+    @property
+    def attribute_writes(self) -> Any:
+        """{attribute name: AttributeWrite} the forward wrote on this module ({} when none);
+        None when no record exists (a loaded trace, a backend that does not record them)."""
+        from types import MappingProxyType
+
+        return None if self._attribute_writes is None else MappingProxyType(self._attribute_writes)
 
     @property
     def num_calls(self) -> int:
