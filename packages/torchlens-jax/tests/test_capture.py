@@ -170,9 +170,13 @@ def test_save_and_load_roundtrip(tmp_path):
             assert isinstance(vb, jax.Array)
             assert str(va.dtype) == str(vb.dtype)
             np.testing.assert_array_equal(t._backend.host_copy(va), t._backend.host_copy(vb))
-    with pytest.raises(BackendUnsupportedError) as exc:
-        loaded._backend.validate(loaded)
-    assert exc.value.code == "validation_replay_unsupported"
+    # primitives are re-bound from their recorded names and parameters: the loaded trace
+    # validates, random draws included (their keys are recorded inputs)
+    assert loaded.validate_forward_pass()
+    op = next(o for o in loaded.ops if o.kind == "op")
+    op._outputs = tuple(v + 1 for v in op.outs)
+    assert not loaded.validate_forward_pass()
+    assert loaded.validation_replay_status.first_failure == op.label
 
 
 def test_namespace_and_plugin_are_light():

@@ -270,10 +270,49 @@ class JAXBackend:
         return trace
 
     # validation ---------------------------------------------------------------------------------------
+    def rebind_op(self, op: Any) -> Any:
+        """A loaded op's callable, rebuilt from its recorded primitive name and parameters
+        (only primitives JAX itself registers), or None."""
+        from torchlens.types import CallablePlaceholder, UnencodableValue
+        from torchlens_jax.interpret import PrimitiveCall
+
+        name = op.meta.get("primitive")
+        params = op.meta.get("primitive_params")
+        if not isinstance(name, str) or not isinstance(params, dict) or not isinstance(op.func, CallablePlaceholder):
+            return None
+        if any(isinstance(v, UnencodableValue) for v in params.values()):
+            return None
+        prim = _primitives().get(name)
+        return None if prim is None else PrimitiveCall(prim, dict(params))
+
     def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
         from torchlens_jax.validate import validate_trace
 
         return validate_trace(self, trace, ground_truth)
+
+
+_PRIMITIVES: dict[str, Any] | None = None
+
+
+def _primitives() -> dict[str, Any]:
+    """Every JAX primitive loaded so far, by name (a name two primitives share is left out)."""
+    global _PRIMITIVES
+    if _PRIMITIVES is None:
+        import sys
+
+        from jax.extend.core import Primitive
+
+        found: dict[str, set] = {}
+        objs: dict[int, Any] = {}
+        for modname, mod in list(sys.modules.items()):
+            if not modname.startswith("jax") or mod is None:
+                continue
+            for v in list(getattr(mod, "__dict__", {}).values()):
+                if isinstance(v, Primitive):
+                    found.setdefault(v.name, set()).add(id(v))
+                    objs[id(v)] = v
+        _PRIMITIVES = {n: objs[next(iter(ids))] for n, ids in found.items() if len(ids) == 1}
+    return _PRIMITIVES
 
 
 _BACKEND: JAXBackend | None = None

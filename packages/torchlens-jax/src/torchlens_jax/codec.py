@@ -50,6 +50,65 @@ class JaxCodec:
             arr = arr.view(_VIEWED[tag])
         return EncodedPayload(arr, tag, tuple(int(d) for d in arr.shape), meta)
 
+    def encode_literal(self, value: Any) -> tuple[str, Any] | None:
+        """JAX literals in primitive parameters, as (kind, plain value)."""
+        if isinstance(value, np.dtype):
+            return "numpy.dtype", value.name
+        tname = type(value).__name__
+        if tname in ("TypedInt", "TypedFloat", "TypedComplex") and hasattr(value, "dtype"):
+            base = {"TypedInt": int, "TypedFloat": float, "TypedComplex": complex}[tname](value)
+            plain = (base.real, base.imag) if tname == "TypedComplex" else base
+            return "jax." + tname, (np.dtype(value.dtype).name, plain)
+        if tname == "TypedNdArray" and isinstance(value, np.ndarray):
+            # a literal operand of an equation (weakly typed scalars such as the 0 of relu)
+            arr = np.asarray(value)
+            bits = arr.view(_VIEWED.get(arr.dtype.name, arr.dtype)).tolist()
+            return "jax.TypedNdArray", (arr.dtype.name, bool(value.weak_type), tuple(arr.shape), bits)
+        from jax import lax
+
+        if isinstance(value, lax.ConvDimensionNumbers):
+            return "jax.lax.ConvDimensionNumbers", tuple(tuple(int(d) for d in spec) for spec in value)
+        if type(value).__name__ == "PRNGImpl" and hasattr(value, "name"):
+            return "jax.PRNGImpl", str(value.name)
+        if isinstance(value, lax.Precision):
+            return "jax.lax.Precision", value.name
+        return None
+
+    def decode_literal(self, kind: str, plain: Any) -> Any:
+        from jax import lax
+
+        if kind == "numpy.dtype" and isinstance(plain, str):
+            try:
+                import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
+
+                return np.dtype(plain)
+            except TypeError:
+                return None
+        if kind in ("jax.TypedInt", "jax.TypedFloat", "jax.TypedComplex") and isinstance(plain, tuple) and len(plain) == 2:
+            from jax._src import literals
+
+            name, v = plain
+            cls = getattr(literals, kind.rpartition(".")[2])
+            return cls(complex(*v) if kind == "jax.TypedComplex" else v, np.dtype(name))
+        if kind == "jax.TypedNdArray" and isinstance(plain, tuple) and len(plain) == 4:
+            import ml_dtypes  # noqa: F401  (bfloat16 and float8 names)
+            from jax._src.core import ShapedArray
+            from jax._src.literals import TypedNdArray
+
+            name, weak, shape, bits = plain
+            dtype = np.dtype(name)
+            arr = np.asarray(bits, dtype=_VIEWED.get(name, dtype)).view(dtype).reshape(shape)
+            return TypedNdArray(arr, ShapedArray(arr.shape, arr.dtype, weak_type=bool(weak)))
+        if kind == "jax.lax.ConvDimensionNumbers" and isinstance(plain, tuple) and len(plain) == 3:
+            return lax.ConvDimensionNumbers(*plain)
+        if kind == "jax.PRNGImpl" and isinstance(plain, str):
+            import importlib
+
+            return importlib.import_module("jax._src.random.prng").prngs.get(plain)
+        if kind == "jax.lax.Precision" and isinstance(plain, str):
+            return getattr(lax.Precision, plain, None)
+        return None
+
     def decode(self, payload: EncodedPayload) -> Any:
         arr = np.asarray(payload.array)
         if payload.dtype in _VIEWED:

@@ -349,6 +349,9 @@ class Interpreter:
         meta = _costs(eqn)
         if _inner_jaxpr(eqn) is not None or eqn.primitive.name in ("cond", "while", "scan"):
             meta["opaque_region"] = True
+        else:  # what re-binds the primitive after a load (artifacts hold no code)
+            meta["primitive"] = eqn.primitive.name
+            meta["primitive_params"] = dict(eqn.params)
         return self._emit(eqn.primitive.name, PrimitiveCall(eqn.primitive, eqn.params), run, ins, site, cid, ctx, meta,
                           bool(eqn.primitive.multiple_results))
 

@@ -160,12 +160,20 @@ def _rebind_callables(trace: Trace) -> None:
     from torchlens.types import CallablePlaceholder
 
     resolve = getattr(trace._backend, "resolve_callable", None)
-    if resolve is None:
+    rebind_op = getattr(trace._backend, "rebind_op", None)  # per-op: from the op's own records
+    if resolve is None and rebind_op is None:
         return
     cache: dict[str, Any] = {}
     for op in trace._ops.values():
         f = op.func
-        if isinstance(f, CallablePlaceholder):
+        if not isinstance(f, CallablePlaceholder):
+            continue
+        if rebind_op is not None:
+            new = rebind_op(op)
+            if new is not None:
+                op.func = new
+                continue
+        if resolve is not None:
             if f.qualname not in cache:
                 cache[f.qualname] = resolve(f.qualname)
             if cache[f.qualname] is not None:
