@@ -50,16 +50,25 @@ class TorchCodec:
         if t.is_neg():
             t = t.resolve_neg()
         t = t.cpu()  # strided is fine: the blob writer copies to C order in chunks, off the main thread
+        meta = {"device": str(value.device)}
+        if t.dim() > 1 and not t.is_contiguous():
+            # a dense permuted layout (a transpose) is stored in its memory order and permuted
+            # back on load, so the loaded tensor has the same strides: kernels such as matmul
+            # take other paths (and round differently) for other layouts
+            perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d]))
+            p = t.permute(perm)
+            if p.is_contiguous():
+                t = p
+                meta["perm"] = ",".join(str(d) for d in perm)
         if tag in _VIEW_FOR:
             arr = t.view(getattr(torch, _VIEW_FOR[tag][1])).numpy().view(np_dtype if tag not in ("bfloat16",) else np.uint16)
         else:
             arr = t.numpy()
-        meta = {"device": str(value.device)}
         if isinstance(value, torch.nn.Parameter):
             meta["parameter"] = "1"
         if value.requires_grad:
             meta["requires_grad"] = "1"
-        return EncodedPayload(arr, tag, tuple(int(d) for d in value.shape), meta)
+        return EncodedPayload(arr, tag, tuple(int(d) for d in t.shape), meta)
 
     def encode_literal(self, value: Any) -> tuple[str, Any] | None:
         """torch literals that appear in argument templates, as (kind, plain value)."""
@@ -103,6 +112,12 @@ class TorchCodec:
         t = t.reshape(payload.shape)
         if t.numel() and t.data_ptr() % 64:
             t = t.clone()
+        perm = payload.meta.get("perm")
+        if perm:
+            order = [int(d) for d in perm.split(",")]
+            if sorted(order) != list(range(t.dim())):
+                raise ValueError(f"bad permutation {perm!r} for a {t.dim()}-d payload")
+            t = t.permute([order.index(d) for d in range(t.dim())])
         if payload.meta.get("parameter") == "1":
             return torch.nn.Parameter(t, requires_grad=payload.meta.get("requires_grad") == "1")
         if payload.meta.get("requires_grad") == "1" and (t.is_floating_point() or t.is_complex()):
