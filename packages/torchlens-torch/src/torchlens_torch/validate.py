@@ -183,7 +183,9 @@ def validate_trace(trace: Any, **_: Any) -> ValidationStatus:
         counts[reason] = counts.get(reason, 0) + 1
         return ValidationStatus(False, op.label, reason, decisions, counts, detail)
 
-    for op in trace._ops.values():
+    from torchlens.viz.progress import progress
+
+    for op in progress(trace._ops.values(), total=len(trace._ops), desc="validate"):
         if op.kind == "output":
             parent = rp.ev2op.get(op.parent_slots[0][0]) if op.parent_slots else None
             if parent is None:

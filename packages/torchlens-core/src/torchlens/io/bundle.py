@@ -84,7 +84,12 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
 
         workers = max(1, min(len(shards), os.cpu_count() or 1, 8))
         with ThreadPoolExecutor(workers) as pool:
-            for name, size, digest in pool.map(write, shards.items()):
+            from torchlens.viz.progress import progress, progress_enabled
+
+            written = pool.map(write, shards.items())
+            big = sum(p.array.nbytes for p in enc.payloads.values()) >= 512 * 1024 * 1024  # seconds of writing
+            show = big and progress_enabled(None)  # a terminal, not CI, not switched off
+            for name, size, digest in progress(written, total=len(shards), desc="save", enabled=show):
                 files[name] = {"sha256": digest, "size": size}
         manifest["files"] = dict(sorted(files.items()))
         (tmp / MANIFEST_NAME).write_bytes(render(manifest))
