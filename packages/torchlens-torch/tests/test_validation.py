@@ -146,3 +146,17 @@ def test_attribute_writes_under_carry_state():
     assert {k: v.kind for k, v in t.modules["self"].attribute_writes.items()} == {
         "last": "added", "hist": "replaced", "scale": "replaced", "gone": "removed"}
     assert m.hist == [0] and m.scale == 2.0 and not hasattr(m, "gone")  # advanced like model(x)
+
+
+def test_save_budget_refuses_an_oversized_capture():
+    m = Sub()
+    x = torch.randn(3, 4)
+    with pytest.raises(tl.errors.SaveBudgetExceededError) as info:
+        tl.trace(m, x, capture=tl.CaptureOptions(save_budget=64))
+    assert info.value.code == "save_budget_exceeded" and info.value.fields["kept_bytes"] > 64
+    assert len(tl.trace(m, x, save="none", capture=tl.CaptureOptions(save_budget=0)).ops) > 0
+    with pytest.raises(tl.errors.SaveBudgetExceededError):
+        tl.validate(m, x, save_budget=64)
+    assert tl.validate(m, x, save_budget=10**6)
+    with pytest.raises(tl.errors.InvalidArgumentError):
+        tl.CaptureOptions(save_budget=-1)

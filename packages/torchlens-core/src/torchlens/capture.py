@@ -49,11 +49,28 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
             if not isinstance(intervene, Recipe):
                 raise InvalidArgumentError("invalid_argument", f"intervene= takes a tl.Recipe, not {type(intervene).__name__}",
                                            remedy="intervene=tl.when(site, tl.zero_ablate())")
-            return live_capture(proto, model, args, kwargs, intervene, save=save, capture=capture or CaptureOptions(),
-                                on_zero_fire=on_zero_fire)
-        return proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
+            result = live_capture(proto, model, args, kwargs, intervene, save=save, capture=capture or CaptureOptions(),
+                                  on_zero_fire=on_zero_fire)
+        else:
+            result = proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
     finally:
         _state.active = False
+    check_save_budget(result, capture)
+    return result
+
+
+def check_save_budget(result: Any, capture: CaptureOptions | None) -> None:
+    """Refuse a capture whose kept payloads exceed `CaptureOptions.save_budget`."""
+    budget = None if capture is None else capture.save_budget
+    if budget in ("auto", None):
+        return
+    kept = sum(op.nbytes for op in result._ops.values() if op.saved and op.kind != "output")
+    if kept > budget:
+        from torchlens.errors import SaveBudgetExceededError
+
+        raise SaveBudgetExceededError("save_budget_exceeded", f"the capture kept {kept} payload bytes; the budget is {budget}",
+                                      remedy="raise save_budget=, or keep less with save= (a selector or 'none')",
+                                      kept_bytes=kept, budget=budget)
 
 
 #: Keywords core itself handles for every backend (intervene= needs the interventions capability).

@@ -35,7 +35,7 @@ def validate(model: Any, *args: Any, scope: str = "forward", trace_observer: Cal
     session = run(num_threads=num_threads) if run is not None else _null_session()
     with session:
         t = _trace(model, *args, input_kwargs=kwargs, backend=proto.name,
-                   capture=CaptureOptions(output_device=output_device), save="all")
+                   capture=CaptureOptions(output_device=output_device, save_budget=save_budget), save="all")
         status = proto.validate(t, None)
         t.validation_replay_status = status
         if trace_observer is not None:

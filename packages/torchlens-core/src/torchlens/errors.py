@@ -21,6 +21,7 @@ __all__ = [
     "PayloadUnavailableError",
     "ReentrantTraceError",
     "TraceCaptureError",
+    "SaveBudgetExceededError",
     "PluginError",
     "BackendUnsupportedError",
     "ValidationError",
@@ -91,6 +92,10 @@ class PayloadUnavailableError(TorchLensError):
 
 class ReentrantTraceError(TorchLensError, RuntimeError):
     """A trace was started while another trace is active in this thread."""
+
+
+class SaveBudgetExceededError(TorchLensError, MemoryError):
+    """A capture kept more payload bytes than its `save_budget` allows."""
 
 
 class TraceCaptureError(TorchLensError, RuntimeError):
@@ -190,6 +195,9 @@ _register("PayloadUnavailableError", {
 })
 _register("ReentrantTraceError", {
     "reentrant_trace": "a trace was started while another trace is active",
+})
+_register("SaveBudgetExceededError", {
+    "save_budget_exceeded": "the payloads a capture keeps exceed CaptureOptions(save_budget=...)",
 })
 _register("TraceCaptureError", {
     "forward_failed": "the traced forward raised; partial_trace holds the recorded prefix",

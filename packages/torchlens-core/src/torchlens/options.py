@@ -28,6 +28,8 @@ class CaptureOptions:
       (default False: pure observer).
     - `seed`: seed the capture's own random streams.
     - `on_nonfinite`: `"ignore"`, `"track"`, `"warn"` or `"raise"`.
+    - `save_budget`: the most bytes of payloads a capture may keep (`"auto"` or None: no
+      limit); a capture over it raises `SaveBudgetExceededError` (`save_budget_exceeded`).
     """
 
     save_mode: str = "copy"
@@ -39,8 +41,13 @@ class CaptureOptions:
     carry_state: bool = False
     seed: int | None = None
     on_nonfinite: str = "ignore"
+    save_budget: Any = "auto"
 
     def __post_init__(self) -> None:
+        if not (self.save_budget in ("auto", None) or (isinstance(self.save_budget, int) and not isinstance(self.save_budget, bool)
+                                                     and self.save_budget >= 0)):
+            raise InvalidArgumentError("capture_option_invalid", f"save_budget={self.save_budget!r} is not 'auto', None or bytes",
+                                       remedy="save_budget=2**30 (bytes), 'auto' or None", field="save_budget")
         if self.save_mode not in _SAVE_MODES:
             raise InvalidArgumentError("capture_option_invalid", f"save_mode={self.save_mode!r} is not one of {_SAVE_MODES}",
                                        remedy="use 'copy', 'reference' or 'view'", field="save_mode")
@@ -78,6 +85,7 @@ class TraceOptions:
     carry_state: bool = False
     seed: int | None = None
     on_nonfinite: str = "ignore"
+    save_budget: Any = "auto"
 
     @classmethod
     def from_capture(cls, opts: CaptureOptions, *, save: str, structure_only: bool, **effective: Any) -> "TraceOptions":
