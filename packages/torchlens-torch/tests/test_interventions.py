@@ -177,3 +177,19 @@ def test_positions_and_splice_module():
     double = nn.Identity()
     g = t.fork().do("linear_1_1", tl.intervention.splice_module(lambda v: v * 2))
     assert torch.equal(g["relu_1_2"].out, torch.relu(h * 2)) and double is not None
+
+
+def test_differentiable_replay_returns_a_fork_with_gradients():
+    m, x = _mlp()
+    t = tl.trace(m, x)
+    before = t["linear_2_3"].out.clone()
+    f = t.do("relu_1_2", tl.scale(2.0), intervention=tl.InterventionOptions(differentiable=True))
+    assert f is not t and torch.equal(t["linear_2_3"].out, before)  # the source is untouched
+    out = f["linear_2_3"].out
+    assert out.requires_grad
+    m.zero_grad()
+    out.sum().backward()
+    got = m[2].weight.grad.clone()
+    m.zero_grad()
+    expected = torch.autograd.grad(m[2](2 * torch.relu(m[0](x))).sum(), m[2].weight)[0]
+    assert torch.allclose(got, expected)

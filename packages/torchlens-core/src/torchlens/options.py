@@ -108,10 +108,13 @@ class InterventionOptions:
       both); `"replay"` pushes the edit through the recorded graph; `"rerun"` re-executes
       the model with the edit live; `"set_only"` stages the edit without propagating.
     - `on_zero_fire`: `"warn"`, `"error"` or `"disclose"` for an edit that fires nowhere.
+    - `differentiable`: replay onto a new fork whose recomputed values keep their autograd
+      graph (back to the parameters and the edited values) and return that fork.
     """
 
     engine: str | None = None
     on_zero_fire: str = "warn"
+    differentiable: bool = False
 
     def __post_init__(self) -> None:
         if self.engine is not None and self.engine not in _ENGINES:

@@ -56,6 +56,10 @@ class TorchEditOps:
         return torch.as_tensor(v).to(dtype=like.dtype, device=like.device) if isinstance(v, torch.Tensor) else \
             torch.as_tensor(v, dtype=like.dtype, device=like.device)
 
+    def grad_enabled(self) -> Any:
+        """Replay with autograd on (differentiable replay)."""
+        return torch.enable_grad()
+
     def replay_args(self, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Arguments replay may run on without writing into saved payloads."""
         from torchlens_torch.validate import safe_replay_args

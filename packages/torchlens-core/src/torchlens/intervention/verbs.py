@@ -114,6 +114,14 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
     # replay
     from torchlens.intervention.replay import replay
 
+    if opts.differentiable:
+        target = fork(trace, f"{trace.name}-differentiable")
+        grad_on = getattr(trace._backend.edit_ops(), "grad_enabled", None)
+        import contextlib
+
+        with grad_on() if grad_on is not None else contextlib.nullcontext():
+            return do(target, site, edit, intervention=InterventionOptions(engine="replay", on_zero_fire=opts.on_zero_fire))
+
     plan: dict[str, list[Edit]] = {}
     for r, labels, applied, _ in resolved:
         for label in labels:
