@@ -70,30 +70,26 @@ class CaptureOptions:
 
 
 @dataclass(frozen=True)
-class TraceOptions:
-    """`trace.options`: the stored snapshot of how a capture ran, with effective values
-    (an implied `inference_only` is filled in) plus the payload selection it used."""
+class TraceOptions(CaptureOptions):
+    """`trace.options`: the stored snapshot of how a capture ran: every `CaptureOptions`
+    field with its effective value (an implied `inference_only` filled in), plus the payload
+    selection (`save`, `structure_only`)."""
 
     save: str = "all"
     structure_only: bool = False
-    save_mode: str = "copy"
-    output_device: str = "same"
-    detach_saved_activations: bool = False
-    inference_only: bool | None = None
-    backward_ready: bool = False
-    save_grads: bool = False
-    carry_state: bool = False
-    seed: int | None = None
-    on_nonfinite: str = "ignore"
-    save_budget: Any = "auto"
 
     @classmethod
     def from_capture(cls, opts: CaptureOptions, *, save: str, structure_only: bool, **effective: Any) -> "TraceOptions":
-        values = {**opts.as_dict(), **effective}
+        values = {**CaptureOptions.as_dict(opts), **effective}
+        values.pop("save", None)
+        values.pop("structure_only", None)
         return cls(save=save, structure_only=structure_only, **values)
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def capture_options(self) -> CaptureOptions:
+        """The `CaptureOptions` part, to capture again the same way."""
+        from dataclasses import fields
+
+        return CaptureOptions(**{f.name: getattr(self, f.name) for f in fields(CaptureOptions)})
 
 
 _ENGINES = ("replay", "rerun", "set_only")

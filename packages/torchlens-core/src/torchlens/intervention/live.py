@@ -134,7 +134,14 @@ def rerun(trace: Any, model: Any, inputs: Any, recipe: Recipe, *, on_zero_fire: 
     save: Any = "all" if len(saved) == len(trace._ops) else (saved or "none")
     from torchlens.options import CaptureOptions
 
-    capture = trace.options if isinstance(trace.options, CaptureOptions) else CaptureOptions()
+    from torchlens.options import TraceOptions
+
+    if isinstance(trace.options, TraceOptions):
+        capture = trace.options.capture_options()
+    elif isinstance(trace.options, CaptureOptions):
+        capture = trace.options
+    else:
+        capture = CaptureOptions()
     return live_capture(proto, model, _as_args(inputs), dict(input_kwargs or {}), recipe, save=save, capture=capture,
                         on_zero_fire=on_zero_fire, zero_fire_code="rerun_zero_fire", check_graph=check_graph)
 

@@ -135,6 +135,18 @@ def _unit_lines(trace: "Trace", unit: Unit, rolled: bool) -> tuple[str, list[str
     return title, lines
 
 
+def _module_box(modules: dict, calls: dict, addr: str, call_key: str, rolled: bool) -> tuple[str, str, Any]:
+    """(class name, title, record) of a module drawn as a frame or a folded box: rolled, the
+    module with its call count; unrolled, the call (`addr:N` titles when it was called again)."""
+    mod = modules.get(addr)
+    cls = mod.class_name if mod is not None else ""
+    if rolled:
+        n = mod.num_calls if mod is not None else 1
+        return cls, addr + (f" (x{n})" if n > 1 else ""), mod
+    many = mod is not None and mod.num_calls > 1
+    return cls, call_key if many else addr, calls.get(call_key)
+
+
 def build_ir(trace: "Trace", units: list[Unit], *, depth: int | None, folded: frozenset[str],
              rolled: bool, progress: Any = None) -> RenderIR:
     """Map units to nodes (folding where depth/collapse say) and ops' edges to node edges."""
@@ -149,17 +161,7 @@ def build_ir(trace: "Trace", units: list[Unit], *, depth: int | None, folded: fr
         parent = None
         for level, ck in enumerate(ckeys):
             if ck not in ir.clusters:
-                addr = u.addresses[level]
-                mod = modules.get(addr)
-                cls = mod.class_name if mod is not None else ""
-                if rolled:
-                    n = mod.num_calls if mod is not None else 1
-                    title = addr + (f" (x{n})" if n > 1 else "")
-                    rec = mod
-                else:
-                    many = mod is not None and mod.num_calls > 1
-                    title = ck if many else addr
-                    rec = calls.get(ck)
+                cls, title, rec = _module_box(modules, calls, u.addresses[level], ck, rolled)
                 ir.clusters[ck] = RCluster(ck, parent, title, cls, level, rec)
             parent = ck
         cluster = parent
@@ -173,16 +175,7 @@ def build_ir(trace: "Trace", units: list[Unit], *, depth: int | None, folded: fr
             bkey = u.keys[f]
             node = node_by_key.get(bkey)
             if node is None:
-                addr = u.addresses[f]
-                mod = modules.get(addr)
-                cls = mod.class_name if mod is not None else ""
-                if rolled:
-                    n = mod.num_calls if mod is not None else 1
-                    title = addr + (f" (x{n})" if n > 1 else "")
-                    rec = mod
-                else:
-                    title = bkey if mod is not None and mod.num_calls > 1 else addr
-                    rec = calls.get(bkey)
+                cls, title, rec = _module_box(modules, calls, u.addresses[f], bkey, rolled)
                 node = RNode(f"n{len(ir.nodes)}", "module", title, [cls], cluster, rec, [], 1)
                 node_by_key[bkey] = node
                 ir.nodes[node.id] = node
