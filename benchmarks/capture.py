@@ -13,10 +13,10 @@ Results go to `benchmarks/results/capture.json`.
     python benchmarks/capture.py --rounds 5 --models gpt2
 
 PyPI `torchlens` cannot live in this venv (its import name is ours). To compare against it,
-install it in a separate venv and point `--pypi-torchlens-python` (or the environment
-variable TORCHLENS_PYPI_PYTHON) at that venv's python: the script then runs the same
-models there in a subprocess (`_pypi_torchlens_worker` below) and adds its ratios, measured
-against that process's own plain forward.
+install it in a separate venv (with TransformerLens and nnsight too, if you like) and point
+`--pypi-torchlens-python` (or the environment variable TORCHLENS_PYPI_PYTHON) at that venv's
+python: the script then runs the same models there in a subprocess (`_peer_worker` below)
+and adds their ratios, measured against that process's own plain forward.
 """
 
 from __future__ import annotations
@@ -126,9 +126,10 @@ def nnsight_variant(model: nn.Module, tokens: torch.Tensor) -> dict[str, Callabl
     wrapped = NNsight(model)
 
     def run() -> Any:
+        box: dict[str, Any] = {}  # nnsight runs the block body in its own frame: hand results out by mutation
         with wrapped.trace(tokens):
-            saved = [block.output.save() for block in wrapped.transformer.h]
-        return saved
+            box["saved"] = [block.output.save() for block in wrapped.transformer.h]
+        return box["saved"]
 
     return {"nnsight save every block": run}
 
@@ -157,29 +158,43 @@ def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[st
                    "runs": len(ts)} for name, ts in times.items()}
 
 
-def _pypi_torchlens_worker(python: str, model: str, tokens: int, rounds: int) -> dict[str, Any] | None:
-    """Run PyPI torchlens in another venv on the same model; None when it cannot run."""
+def _peer_worker(python: str, model: str, tokens: int, rounds: int) -> dict[str, Any] | None:
+    """Run the peers installed in another venv (PyPI torchlens, and for GPT-2 nnsight and
+    TransformerLens when importable there) on the same model in one process; ratios are to
+    that process's own plain forward (TransformerLens: to its own model's plain forward)."""
     code = f"""
 import json, statistics, sys, time, gc, torch
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 import capture as B
-import torchlens
 m, x = B.gpt2_small({tokens}) if {model!r} == "gpt2" else B.resnet_like()
-entry = getattr(torchlens, "log_forward_pass", None)
-if entry is not None:  # torchlens < 2
-    run = lambda: entry(m, x, layers_to_save="all")
-else:  # torchlens 2.x: trace() saves every layer by default
-    run = lambda: torchlens.trace(m, x)
-fns = {{"plain forward": lambda: m(x), "PyPI torchlens trace (save all)": run}}
-print(json.dumps(B.measure(fns, {rounds})))
+fns = {{"plain forward": lambda: m(x)}}
+try:
+    import torchlens
+    entry = getattr(torchlens, "log_forward_pass", None)
+    if entry is not None:  # torchlens < 2
+        fns["PyPI torchlens trace (save all)"] = lambda: entry(m, x, layers_to_save="all")
+    else:  # torchlens 2.x: trace() saves every layer by default
+        fns["PyPI torchlens trace (save all)"] = lambda: torchlens.trace(m, x)
+except ImportError:
+    pass
+tl_fns = {{}}
+if {model!r} == "gpt2":
+    fns.update(B.nnsight_variant(m, x))
+    tl_fns = B.transformer_lens_variant(x)
+times = B.measure({{**fns, **tl_fns}}, {rounds})
+print(json.dumps({{"main": {{k: times[k] for k in fns}}, "tl": {{k: times[k] for k in tl_fns}}}}))
 """
     try:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=3600)
     except (OSError, subprocess.SubprocessError) as exc:
-        print(f"  PyPI torchlens run failed: {exc}", file=sys.stderr)
+        print(f"  peer run failed: {exc}", file=sys.stderr)
         return None
-    times = json.loads(out.stdout.strip().splitlines()[-1])
-    return summarize(times, "plain forward")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    summary = summarize(res["main"], "plain forward")
+    summary.pop("plain forward")
+    if res["tl"]:
+        summary.update(summarize(res["tl"], "TransformerLens plain"))
+    return {f"{k} [peer venv]": v for k, v in summary.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             tl_summary = summarize({k: times[k] for k in tl_variants}, "TransformerLens plain")
             summary.update(tl_summary)
         if args.pypi_torchlens_python:
-            pypi = _pypi_torchlens_worker(args.pypi_torchlens_python, model_name, args.tokens, args.rounds)
-            if pypi:
-                summary["PyPI torchlens trace (save all)"] = pypi["PyPI torchlens trace (save all)"]
+            peers = _peer_worker(args.pypi_torchlens_python, model_name, args.tokens, args.rounds)
+            if peers:
+                summary.update(peers)
         report["models"][model_name] = {"label": label, "results": summary}
         print(f"\n{label} (median of {args.rounds} interleaved rounds, {torch.get_num_threads()} threads)")
         print(f"{'variant':36s} {'median s':>10s} {'ratio':>8s}")
