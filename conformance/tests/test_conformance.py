@@ -2,8 +2,6 @@
 
 import json
 
-import numpy as np
-import pytest
 
 import torchlens as tl
 from torchlens_conformance import cells as C

@@ -8,7 +8,7 @@ import pytest
 import torchlens as tl
 from torchlens.errors import ArtifactError, PayloadUnavailableError
 from torchlens.io.schema import SCHEMAS
-from torchlens.types import CallablePlaceholder, UnencodableValue
+from torchlens.types import UnencodableValue
 from torchlens_reference.zoo import zoo
 
 ZOO = zoo()

@@ -11,8 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-import torchlens as tl
-from torchlens.build import EventLog, ModelInfo, ModuleEnter, ModuleExit, ModuleInfo, OpEvent, build_trace
+from torchlens.build import EventLog, ModelInfo, ModuleInfo, OpEvent, build_trace
 from torchlens.errors import ERROR_CODES, InvalidArgumentError
 from torchlens.records.trace import Provenance
 from torchlens.viz import Drawing

@@ -7,13 +7,11 @@ import sys
 from importlib import metadata
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 
 import torchlens as tl
 from torchlens.backends import BackendProtocol, REFUSAL_CODES, get_protocol, get_spec, missing_members
-from torchlens.errors import BackendUnsupportedError
 
 
 def test_registered_only_through_the_entry_point():

@@ -12,7 +12,6 @@ import contextlib
 import inspect
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch

@@ -20,7 +20,6 @@ def _numel(shape: Any) -> int:
 
 
 def _linear(args, kwargs, outs):
-    x = args[0] if args else kwargs.get("input")
     w = args[1] if len(args) > 1 else kwargs.get("weight")
     b = args[2] if len(args) > 2 else kwargs.get("bias")
     out = outs[0]

@@ -8,7 +8,6 @@ from torchlens.records.op import numel as _numel
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchlens.records.op import Op
-    from torchlens.records.trace import Trace
 
 
 class ModuleCall:

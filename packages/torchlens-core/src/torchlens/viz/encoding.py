@@ -19,7 +19,7 @@ from torchlens.viz.units import fmt_quantity, quantity_label
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchlens.records.trace import Trace
-    from torchlens.viz.ir import RenderIR, RNode
+    from torchlens.viz.ir import RenderIR
     from torchlens.viz.themes import Theme
 
 #: Builtin tokens and how one op yields them.
