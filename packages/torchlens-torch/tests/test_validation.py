@@ -160,3 +160,21 @@ def test_save_budget_refuses_an_oversized_capture():
     assert tl.validate(m, x, save_budget=10**6)
     with pytest.raises(tl.errors.InvalidArgumentError):
         tl.CaptureOptions(save_budget=-1)
+
+
+def test_keyword_inputs_of_a_module_call_are_its_inputs():
+    class Inner(nn.Module):
+        def forward(self, x, *, mask=None):
+            return x * mask
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            m = x > 0
+            return self.inner(x + 1, mask=m)
+
+    t = tl.trace(Outer(), torch.randn(3))
+    assert t["inner:1"].input_labels == ["add_1_2", "gt_1_1"]

@@ -160,6 +160,7 @@ class Recorder:
         self.pending: dict[int, list] = {}  # storage data_ptr -> [(event, slot, tensor, version)]
         self.op_events: dict[int, OpEvent] = {}
         self.edit_plan: Any = None  # core's EditPlan for live interventions (event id -> edits)
+        self.enter_events: dict[tuple[str, int], ModuleEnter] = {}
 
     # sources ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -461,10 +462,15 @@ class Recorder:
         self.stack = self.stack + ((addr, n),)
         tags = self.tags
         ids = tuple(tags[id(t)] for _, t in iter_leaves(args, "") if id(t) in tags)
-        self.events.append(ModuleEnter(addr, n, ids))
+        ev = ModuleEnter(addr, n, ids)
+        self.events.append(ev)
+        self.enter_events[(addr, n)] = ev
         return None
 
-    def post_hook(self, module: Any, args: tuple, output: Any) -> None:
+    def post_hook(self, module: Any, args: tuple, *rest: Any) -> None:
+        # (kwargs, output) normally; (output,) when torch runs always_call hooks after the
+        # forward raised
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0] if rest else None)
         addr = self.module_address.get(id(module))
         if addr is None or threading.get_ident() != self.thread:
             return None
@@ -477,8 +483,13 @@ class Recorder:
                 break
         else:
             return None
-        ids: list = []
         tags = self.tags
+        enter = self.enter_events.pop((addr, call), None)
+        if kwargs and enter is not None:  # the global pre-hook sees positional inputs only
+            extra = [tags[id(t)] for _, t in iter_leaves(kwargs, "") if id(t) in tags]
+            if extra:
+                enter.input_ids = tuple(dict.fromkeys(enter.input_ids + tuple(extra)))
+        ids: list = []
         if type(output) is Tensor:
             tag = tags.get(id(output))
             if tag is not None:
@@ -592,5 +603,5 @@ class CaptureMode(TorchFunctionMode):
 def install_module_hooks(rec: Recorder) -> list[Any]:
     """Global forward pre/post hooks (removed by the caller after the capture)."""
     pre = _nn_module.register_module_forward_pre_hook(rec.pre_hook)
-    post = _nn_module.register_module_forward_hook(rec.post_hook, always_call=True)
+    post = _nn_module.register_module_forward_hook(rec.post_hook, with_kwargs=True, always_call=True)
     return [pre, post]
