@@ -101,6 +101,10 @@ def check_requested_capabilities(proto: Any, capture: CaptureOptions | None, opt
     from torchlens.errors import BackendUnsupportedError
 
     caps = proto.capabilities()
+    if capture is not None and capture.seed is not None and proto.maturity == "preview":
+        raise BackendUnsupportedError("explicit_seed_unsupported", f"seed= on the preview {proto.name} backend",
+                                      remedy="seed the framework's own random streams (or pass explicit keys) yourself",
+                                      backend=proto.name)
     if capture is not None and (capture.backward_ready or capture.save_grads) and not caps.backward_capture:
         raise BackendUnsupportedError(CAPABILITY_REFUSALS["backward_capture"],
                                       f"the {proto.name} backend cannot capture gradients",

@@ -24,6 +24,7 @@ import numpy as np
 
 from torchlens.backends import BackendCapabilities, BackendUnsupportedError, ValidationStatus
 from torchlens.build import EventLog, OpEvent, build_trace
+from torchlens.capture import check_requested_capabilities
 from torchlens.build.save import apply_save, save_plan
 from torchlens.errors import InvalidArgumentError, TraceCaptureError
 from torchlens.records.trace import Provenance
@@ -217,16 +218,8 @@ class JAXBackend:
         return model(*args, **kwargs)
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None, **options: Any) -> Any:
-        unknown = sorted(set(options) - self._OPTIONS)
-        if unknown:
-            raise BackendUnsupportedError("trace_option_unsupported", f"the jax backend has no trace option {unknown[0]!r}",
-                                          remedy=f"its options: {', '.join(sorted(self._OPTIONS))}", option=unknown[0])
-        if capture is not None and capture.seed is not None:
-            raise BackendUnsupportedError("explicit_seed_unsupported", "seed= on the preview jax backend",
-                                          remedy="JAX randomness is explicit: pass the PRNG key as an input")
-        if capture is not None and (capture.backward_ready or capture.save_grads):
-            raise BackendUnsupportedError("backward_capture_unsupported", "the jax backend records no gradients",
-                                          remedy="drop backward_ready/save_grads, or use jax.grad on the model yourself")
+        # the same pre-capture refusals tl.trace makes, for callers that reach capture directly
+        check_requested_capabilities(self, capture, options)
         plan = save_plan(save)
         if model_kind(model) is None:
             raise InvalidArgumentError("model_type_unsupported", f"the jax backend cannot trace a {type(model).__name__}",

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from torchlens.backends import BackendCapabilities, BackendUnsupportedError, ValidationStatus
+from torchlens.backends import BackendCapabilities, ValidationStatus
 from torchlens.build import (
     ArgRef,
     EventLog,
@@ -21,6 +21,7 @@ from torchlens.build import (
     build_trace,
     fill_template,
 )
+from torchlens.capture import check_requested_capabilities
 from torchlens.build.save import apply_save, save_plan
 from torchlens.errors import InvalidArgumentError, TraceCaptureError
 from torchlens.records.trace import Provenance
@@ -200,16 +201,8 @@ class ReferenceBackend:
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None, _edit_plan: Any = None,
                 **options: Any) -> Any:
-        unknown = sorted(set(options) - self._OPTIONS)
-        if unknown:
-            raise BackendUnsupportedError("trace_option_unsupported", f"the reference backend has no option {unknown[0]!r}",
-                                          remedy=f"options: {', '.join(sorted(self._OPTIONS))}", option=unknown[0])
-        if capture is not None and capture.seed is not None:
-            raise BackendUnsupportedError("explicit_seed_unsupported", "seed= on a preview backend",
-                                          remedy="seed numpy yourself before the call")
-        if capture is not None and (capture.backward_ready or capture.save_grads):
-            raise BackendUnsupportedError("backward_capture_unsupported", "the reference backend records no gradients",
-                                          remedy="use the torch backend for gradients")
+        # the same pre-capture refusals tl.trace makes, for callers that reach capture directly
+        check_requested_capabilities(self, capture, options)
         plan = save_plan(save)
         for i, a in enumerate(args):
             if not isinstance(a, np.ndarray):

@@ -19,6 +19,7 @@ import numpy as np
 
 from torchlens.errors import ArtifactError
 from torchlens.io.codec import DTYPE_ITEMSIZE, EncodedPayload
+from torchlens.io.manifest import strict_json
 
 #: neutral dtype tag -> (safetensors dtype, numpy storage dtype, trailing real axis for complex)
 STORAGE: dict[str, tuple[str, str, bool]] = {
@@ -154,7 +155,7 @@ def parse_header(name: str, head: bytes, size: int) -> tuple[dict, dict, int]:
     if len(head) < 8 + n:
         raise _bad(name, "header truncated")
     try:
-        obj = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_dup_keys, parse_constant=_no_constant)
+        obj = strict_json(bytes(head[8:8 + n]).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise _bad(name, f"header is not JSON ({type(exc).__name__})") from None
     if not isinstance(obj, dict):
@@ -240,19 +241,6 @@ def payload_from_storage(blob: Blob, tensor: str, dtype: str, shape: tuple[int, 
     if real_axis:
         raw = raw.view(dtype)
     return EncodedPayload(raw, dtype, tuple(shape), dict(meta))
-
-
-def _no_dup_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def fsize(path: str) -> int:

@@ -30,21 +30,28 @@ def malformed(why: str) -> ArtifactError:
                          remedy="the manifest is damaged; save the trace again", why=why)
 
 
+def _no_dup_keys(items: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for k, v in items:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def strict_json(text: str) -> Any:
+    """Parse JSON with no duplicate keys and no NaN/Infinity literals (ValueError otherwise)."""
+    return json.loads(text, object_pairs_hook=_no_dup_keys, parse_constant=_no_constant)
+
+
 def parse_json(data: bytes, what: str, code: str) -> Any:
     """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity literals; typed refusal otherwise."""
-    def pairs(items: list[tuple[str, Any]]) -> dict:
-        out: dict = {}
-        for k, v in items:
-            if k in out:
-                raise ValueError(f"duplicate key {k!r}")
-            out[k] = v
-        return out
-
-    def constant(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
     try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+        return strict_json(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ArtifactError(code, f"{what} is not valid JSON ({type(exc).__name__})",
                             remedy="the file is truncated or damaged; save the trace again", file=what) from None
