@@ -289,6 +289,15 @@ _register("ArtifactError", {
 })
 
 
+# Codes added per area. Each area registers its own codes below its own marker (one
+# `_register(ClassName, {...})` call per error class), so parallel work never edits one dict.
+# --- area: callables (loading never runs code) ---
+# --- area: hostile files (bounded allocation, typed loader refusals) ---
+# --- area: capture hygiene (threads, global state, save budget) ---
+# --- area: publishing (overwrite, crash safety, lazy loads, write failures) ---
+# --- area: intervention misuse (forks, changed parameters, helper arguments) ---
+
+
 def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:
     """Register further codes (used by `tl.backends` for the refusal codes)."""
     _register(cls_name, codes)
