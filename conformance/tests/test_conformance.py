@@ -107,3 +107,22 @@ def test_stable_backends_pass_every_cell_in_their_shipped_record():
         assert record is not None, f"stable backend {name} ships no scorecard"
         bad = {c: v for c, v in record["cells"].items() if v["outcome"] != "passed"}
         assert not bad, f"stable backend {name}: {bad}"
+
+
+def test_reference_match_is_exact_unless_the_entry_declares_a_compiled_reference():
+    import numpy as np
+
+    from torchlens_conformance.zoo import REFERENCE_ULPS, ZooEntry
+
+    ref = np.linspace(-1, 1, 12, dtype=np.float32)
+    one_ulp = np.nextafter(ref, np.float32(2))
+    far = ref + np.float32(4 * REFERENCE_ULPS) * np.finfo(np.float32).eps
+    exact = ZooEntry("exact", None, (), {})
+    compiled = ZooEntry("compiled", None, (), {}, compiled_reference="one fused loop, evaluated step by step")
+    assert C._matches_reference(exact, ref, ref.copy())
+    assert not C._matches_reference(exact, ref, one_ulp)           # bit for bit by default
+    assert C._matches_reference(compiled, ref, one_ulp)            # a few ulp allowed when declared
+    assert not C._matches_reference(compiled, ref, far)            # but not more
+    assert not C._matches_reference(compiled, ref, ref.astype(np.float64))  # dtype must still agree
+    ints = np.arange(4)
+    assert not C._matches_reference(compiled, ints, ints + 1)      # exact dtypes get no tolerance

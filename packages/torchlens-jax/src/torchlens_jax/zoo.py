@@ -126,5 +126,7 @@ def zoo() -> dict[str, dict[str, Any]]:
         "random": {"model": RandomNet(), "args": (x,), "kwargs": {"key": jax.random.PRNGKey(1234)},
                    "reseed": lambda: None},
         "eqx_mlp": {"model": EqxMLP(jax.random.PRNGKey(5)), "args": (x[0],), "kwargs": {}},
-        "control_flow": {"model": control_flow_fn, "args": (x, _W), "kwargs": {}},
+        "control_flow": {"model": control_flow_fn, "args": (x, _W), "kwargs": {},
+                         "compiled_reference": "lax.fori_loop runs as one fused XLA while-loop; the capture unrolls "
+                                               "it and evaluates dot_general and tanh one primitive at a time"},
     }
