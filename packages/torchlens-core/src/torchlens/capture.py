@@ -22,6 +22,10 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
     """
     from torchlens.backends.registry import select_backend
 
+    removed = sorted(k for k in ("keep_op", "keep_module") if k in trace_options)
+    if removed:
+        raise TypeError(f"trace() got an unexpected keyword argument {removed[0]!r}: it was removed; "
+                        "choose payloads with save= (a selector, a list of labels or module addresses)")
     if capture is not None and not isinstance(capture, CaptureOptions):
         raise InvalidArgumentError("invalid_argument", f"capture= takes a CaptureOptions, not {type(capture).__name__}",
                                    remedy="capture=tl.options.CaptureOptions(...)")

@@ -33,10 +33,8 @@ class Rule:
 
     @property
     def signal(self) -> str:
-        from torchlens.select import selectors
-
-        grad_cls = getattr(selectors, "GradSelector", None)
-        return "backward" if grad_cls is not None and isinstance(self.target, grad_cls) else "forward"
+        universe = getattr(self.target, "universe", "activation")
+        return {"gradient": "backward", "mixed": "both"}.get(universe, "forward")
 
     def identity(self) -> str:
         return f"{_site_repr(self.target)} -> {self.edit.identity()}"

@@ -56,10 +56,40 @@ class Selection:
         self.first()
         return self._ops[-1]
 
+    @property
+    def signal(self) -> str:
+        """Which pass the matched sites belong to: "backward" for gradient sites
+        (`tl.grad(...)`), "forward" for activation sites, "both" for a union of the two."""
+        universe = getattr(self.selector, "universe", "activation")
+        return {"gradient": "backward", "mixed": "both"}.get(universe, "forward")
+
     def to_dataframe(self) -> Any:
+        """One row per matched op, with a `signal` column ("forward" or "backward"; for a
+        union of both universes, each op's own: "both" when both branches match it)."""
         from torchlens.viz.tables import ops_dataframe
 
-        return ops_dataframe(self._trace, self._ops)
+        df = ops_dataframe(self._trace, self._ops)
+        df["signal"] = self._signals()
+        return df
+
+    def _signals(self) -> list[str]:
+        if self.signal != "both":
+            return [self.signal] * len(self._ops)
+        grad_labels: set[str] = set()
+        act_labels: set[str] = set()
+
+        def walk(sel: Any) -> None:
+            if sel.universe == "mixed":  # a union: split it into its branches
+                walk(sel.a)
+                walk(sel.b)
+            elif sel.universe == "gradient":
+                grad_labels.update(sel.match_set(self._trace))
+            else:
+                act_labels.update(sel.match_set(self._trace))
+
+        walk(self.selector)
+        return ["both" if o.label in grad_labels and o.label in act_labels
+                else "backward" if o.label in grad_labels else "forward" for o in self._ops]
 
     def __repr__(self) -> str:
         head = ", ".join(self.labels[:6]) + (", ..." if len(self._ops) > 6 else "")

@@ -28,6 +28,12 @@ class Selector:
 
     kind: str = "selector"
 
+    @property
+    def universe(self) -> str:
+        """Which sites this selector names: "activation" (forward outputs), "gradient"
+        (`tl.grad(...)`: the output gradients of forward ops) or "mixed" (a union of both)."""
+        return "activation"
+
     def match_set(self, trace: "Trace") -> set[str]:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -44,15 +50,26 @@ class Selector:
         return other
 
     def __and__(self, other: Any) -> "Selector":
-        return _And(self, self._other(other, "&"))
+        other = self._other(other, "&")
+        _same_universe(self, other, "&")
+        return _And(self, other)
 
     def __or__(self, other: Any) -> "Selector":
-        return _Or(self, self._other(other, "|"))
+        other = self._other(other, "|")
+        if isinstance(self, GradSelector) and isinstance(other, GradSelector):
+            return GradSelector(self.inner() | other.inner())  # one gradient branch
+        return _Or(self, other)
 
     def __sub__(self, other: Any) -> "Selector":
-        return _Sub(self, self._other(other, "-"))
+        other = self._other(other, "-")
+        _same_universe(self, other, "-")
+        return _Sub(self, other)
 
     def __invert__(self) -> "Selector":
+        if self.universe == "mixed":
+            raise SelectorCompositionError(
+                "selector_cross_universe_not", f"~ over {self!r}, a union spanning activation and gradient sites",
+                remedy="negate inside each branch: tl.grad(~a) | ~a", selector=repr(self))
         return _Not(self)
 
     def __rand__(self, other: Any) -> "Selector":
@@ -62,11 +79,25 @@ class Selector:
         return self._other(other, "|") | self
 
 
+def _same_universe(a: Selector, b: Selector, op: str) -> None:
+    """`&` and `-` keep sites both sides name, which only means something inside one universe."""
+    ua, ub = a.universe, b.universe
+    if ua != ub or ua == "mixed":
+        raise SelectorCompositionError(
+            "selector_cross_universe_and", f"{a!r} {op} {b!r} combines {ua} and {ub} sites",
+            remedy="intersect inside one universe: tl.grad(a & b), or a & b for activations",
+            left=repr(a), right=repr(b))
+
+
 @dataclass(frozen=True, repr=False)
 class _And(Selector):
     a: Selector
     b: Selector
     kind = "and"
+
+    @property
+    def universe(self) -> str:
+        return self.a.universe
 
     def match_set(self, trace):
         return self.a.match_set(trace) & self.b.match_set(trace)
@@ -81,6 +112,11 @@ class _Or(Selector):
     b: Selector
     kind = "or"
 
+    @property
+    def universe(self) -> str:
+        ua, ub = self.a.universe, self.b.universe
+        return ua if ua == ub else "mixed"
+
     def match_set(self, trace):
         return self.a.match_set(trace) | self.b.match_set(trace)
 
@@ -94,6 +130,10 @@ class _Sub(Selector):
     b: Selector
     kind = "sub"
 
+    @property
+    def universe(self) -> str:
+        return self.a.universe
+
     def match_set(self, trace):
         return self.a.match_set(trace) - self.b.match_set(trace)
 
@@ -105,6 +145,10 @@ class _Sub(Selector):
 class _Not(Selector):
     a: Selector
     kind = "not"
+
+    @property
+    def universe(self) -> str:
+        return self.a.universe
 
     def match_set(self, trace):
         return set(trace._ops) - self.a.match_set(trace)
@@ -404,8 +448,15 @@ class GradSelector(Selector):
     site: Any
     kind = "grad"
 
+    @property
+    def universe(self) -> str:
+        return "gradient"
+
     def inner(self) -> Selector:
         return as_selector(self.site)
+
+    def __invert__(self) -> "Selector":
+        return GradSelector(~self.inner())  # ~tl.grad(s) is tl.grad(~s)
 
     def match_set(self, trace):
         return self.inner().match_set(trace)
@@ -419,6 +470,19 @@ def grad(site: Any) -> Selector:
     if isinstance(site, GradSelector):
         raise SelectorCompositionError("grad_selector_nested", f"tl.grad cannot wrap another gradient selector ({site!r})",
                                        remedy="use the inner selector once: tl.grad(site)", operand=repr(site))
+    from torchlens.select.selection import Selection
+
+    if isinstance(site, Selection):
+        raise SelectorCompositionError("grad_selection_unsupported",
+                                       "tl.grad takes a selector, not a resolved Selection",
+                                       remedy="pass the selector itself: tl.grad(sel), not tl.grad(trace[sel])",
+                                       operand=repr(site))
+    from torchlens.records.op import Layer, Op
+
+    if isinstance(site, Op):
+        return GradSelector(site.label)  # a record names its own label
+    if isinstance(site, Layer):
+        return GradSelector(f"{site.label}:all")  # every pass of the layer
     if not isinstance(site, (str, Selector)):
         raise SelectorCompositionError("grad_selector_inner_invalid",
                                        f"tl.grad takes one selector or label, not {type(site).__name__}",
