@@ -186,6 +186,9 @@ _register("SelectorCompositionError", {
     "selector_pattern_invalid": "a label_matches pattern is not a valid regular expression",
     "grad_selector_nested": "tl.grad was given another tl.grad selector",
     "grad_selector_inner_invalid": "tl.grad was given something other than a selector or a label (a list or dict)",
+    "grad_selection_unsupported": "tl.grad was given a resolved Selection instead of a selector",
+    "selector_cross_universe_and": "& or - combined activation sites with gradient sites",
+    "selector_cross_universe_not": "~ was applied to a union that spans activation and gradient sites",
 })
 _register("PayloadUnavailableError", {
     "activation_not_saved": "the op's output was not saved by this capture's save=",
