@@ -175,7 +175,9 @@ class OpCollection(Collection):
 
     @property
     def nonfinite(self) -> "OpCollection":
-        return self._filtered(lambda o: o.meta.get("nonfinite", False))
+        """Ops whose output held NaN or Inf (verdicts recorded under on_nonfinite='track',
+        'warn' or 'raise'; the backend writes `meta["has_nonfinite"]`)."""
+        return self._filtered(lambda o: bool(o.meta.get("has_nonfinite", False)))
 
     def _convert(self, key: str):
         trace = self._trace
@@ -232,6 +234,22 @@ class LayerCollection(Collection):
     @property
     def recurrent(self) -> "LayerCollection":
         return self._filtered(lambda l: len(l.ops) > 1)
+
+    @property
+    def saved_grad(self) -> "LayerCollection":
+        """Layers with a saved gradient on at least one pass."""
+        return self._filtered(lambda l: any(o.grads is not None and any(g is not None for g in o.grads) for o in l.ops))
+
+    @property
+    def internal_source(self) -> "LayerCollection":
+        """Layers whose values the forward made from nothing it was given: constants and
+        compute ops with no op parents (`torch.zeros`, `arange`, a random draw)."""
+        return self._filtered(lambda l: all(o.kind == "constant" or (o.kind == "op" and not o.parents) for o in l.ops))
+
+    @property
+    def internal_sink(self) -> "LayerCollection":
+        """Compute layers whose values nothing read: no child op and not the model's output."""
+        return self._filtered(lambda l: l.kind == "op" and all(not o.children for o in l.ops))
 
     def _convert(self, key: str):
         base, token = split_pass_token(key)

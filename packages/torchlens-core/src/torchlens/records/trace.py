@@ -132,6 +132,11 @@ class Trace:
         return self.ops.compute
 
     @property
+    def nonfinite_ops(self) -> OpCollection:
+        """Ops whose output held NaN or Inf (needs on_nonfinite='track', 'warn' or 'raise')."""
+        return self.ops.nonfinite
+
+    @property
     def num_ops(self) -> int:
         return len(self._ops)
 
