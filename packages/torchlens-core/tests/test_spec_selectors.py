@@ -87,3 +87,22 @@ def test_removed_capture_arguments_raise_type_error(removed):
 
     with pytest.raises(TypeError, match=removed):
         tl.trace(nn.LoopNet(), np.ones((2, 4), dtype=np.float32), **{removed: ["linear_1_1"]})
+
+
+def test_layer_ops_and_module_calls_take_keys(t):
+    """Indexing coherence (glossary l. 693): keyed like the typed entry points, own members only."""
+    from torchlens.errors import LookupMissError
+
+    layer = t.layers["linear_2_2"]
+    assert layer.ops[1].label == "linear_2_2:2"                      # still a list by position
+    assert layer.ops["linear_2_2:3"] is t.ops["linear_2_2:3"]
+    assert layer.ops["cell:2"] is t.ops["cell:2"] and layer.ops["cell:2"].label == "linear_2_2:2"
+    with pytest.raises(LookupMissError):
+        layer.ops["tanh_1_3:1"]                                      # another layer's op
+    cell = t.modules["cell"]
+    assert cell.calls["linear_2_2:3"].label == "cell:3"
+    assert cell.calls["cell:1"] is cell.calls[0]
+    with pytest.raises(LookupMissError):
+        cell.calls["tanh_1_3:1"]                                     # run by another module
+    root = t.modules["self"]
+    assert root.calls["tanh_1_3:2"].label == "self:1"

@@ -359,3 +359,21 @@ class BufferCollection(_StateCollection):
         if op.kind == "buffer" and op.path in self._records:
             return [op.path]
         return []
+
+
+class OwnedRecords(list):
+    """The list a record owns (`Layer.ops`, `Module.calls`): a plain list by position, and by
+    string key the typed-entry-point rule (spec: indexing coherence) restricted to its own
+    members: `layer.ops["address:N"]` is that call's output op if this layer ran it,
+    `module.calls[op_label]` the call of this module that ran the op."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, items: Any = (), owner: Any = None) -> None:
+        super().__init__(items)
+        self._owner = owner
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            return self._owner._own_key(self, key)
+        return super().__getitem__(key)

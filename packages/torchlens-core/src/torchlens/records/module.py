@@ -55,7 +55,7 @@ class Module:
     """A captured module (address `"self"` is the root): its place in the tree and its calls."""
 
     __slots__ = (
-        "address", "class_name", "class_qualname", "parent", "children", "calls", "param_addresses",
+        "address", "class_name", "class_qualname", "parent", "children", "_calls", "param_addresses",
         "buffer_addresses", "all_addresses", "training", "_trace", "_attribute_writes",
     )
 
@@ -66,7 +66,7 @@ class Module:
         self.class_qualname = class_qualname
         self.parent = parent
         self.children: list[str] = []
-        self.calls: list[ModuleCall] = []
+        self.calls = []
         self.param_addresses: list[str] = []
         self.buffer_addresses: list[str] = []
         self.all_addresses = all_addresses or (address,)
@@ -132,6 +132,33 @@ class Module:
         from torchlens.viz.collapse import collapse_score
 
         return collapse_score(self)
+
+    @property
+    def calls(self) -> list["ModuleCall"]:
+        """This module's calls in order; also keyed: `module.calls[op_label]` is the call of
+        this module that ran that op, `module.calls["address:N"]` call N."""
+        return self._calls
+
+    @calls.setter
+    def calls(self, value: Any) -> None:
+        from torchlens.records.collections import OwnedRecords
+
+        self._calls = OwnedRecords(value, self)
+
+    def _own_key(self, calls: list, key: str) -> "ModuleCall":
+        from torchlens.errors import LookupMissError
+
+        for c in calls:
+            if c.label == key:
+                return c
+        op = self._trace._op_by_any_label(key)
+        if op is not None:
+            mine = [c for c in calls if op.label in c.op_labels]
+            if mine:
+                return mine[-1]
+        raise LookupMissError("label_unknown", f"{key!r} names no op or call of module {self.address!r}",
+                              remedy="use an op label this module ran, or one of "
+                                     + ", ".join(c.label for c in calls[:6]), key=key)
 
     def __getitem__(self, key: str) -> Any:
         """`module[address]` is a descendant, `module["address:N"]` its call, a label what

@@ -186,7 +186,7 @@ class Layer:
     multi-pass Layer refuses them with `layer_pass_ambiguous`.
     """
 
-    __slots__ = ("label", "func_name", "kind", "module", "modules", "ops", "_trace", "type_num", "step_num")
+    __slots__ = ("label", "func_name", "kind", "module", "modules", "_ops", "_trace", "type_num", "step_num")
 
     def __init__(self, label: str, func_name: str, kind: str, module: str | None, modules: tuple[str, ...]) -> None:
         self.label = label
@@ -194,7 +194,28 @@ class Layer:
         self.kind = kind
         self.module = module
         self.modules = modules
-        self.ops: list[Op] = []
+        self.ops = []
+
+    @property
+    def ops(self) -> list[Op]:
+        """This layer's ops, one per pass; also keyed: `layer.ops["relu_1_2:2"]`,
+        `layer.ops["address:N"]` (only ops of this layer)."""
+        return self._ops
+
+    @ops.setter
+    def ops(self, value: Any) -> None:
+        from torchlens.records.collections import OwnedRecords
+
+        self._ops = OwnedRecords(value, self)
+
+    def _own_key(self, ops: list, key: str) -> Op:
+        from torchlens.errors import LookupMissError
+
+        op = self._trace.ops[key]  # the typed entry point's rule, with its typed refusals
+        if not any(op is o for o in ops):
+            raise LookupMissError("label_unknown", f"{key!r} names {op.label}, which is not a pass of layer {self.label}",
+                                  remedy=f"use one of {', '.join(o.label for o in ops[:6])}", key=key)
+        return op
 
     @property
     def num_passes(self) -> int:
