@@ -71,25 +71,14 @@ _LAZY = {
 
 
 def load(path: Any, lazy: bool = False) -> Any:
-    """Load a `.tlspec` directory written by `Trace.save` (checked in full before it returns).
-    `lazy=True` maps payloads from disk on first read instead of reading them up front."""
-    import json
-    import os
-    from pathlib import Path
+    """Load a `.tlspec` directory written by `Trace.save` (checked in full before it returns),
+    or a saved intervention spec / recipe (`Trace.save_intervention`, `Recipe.save`).
+    Payloads are read into memory and verified before it returns (files are never mapped);
+    `lazy=True` is accepted for compatibility and loads the same way.
+    Every refusal is a typed `TorchLensError`; see `tl.io.artifact`."""
+    from torchlens.io.artifact import load_artifact
 
-    from torchlens.io.bundle import load as _load
-
-    manifest = Path(os.fspath(path)) / "manifest.json"
-    try:
-        kind = json.loads(manifest.read_bytes()).get("kind") if manifest.is_file() and not manifest.is_symlink() else None
-    except (OSError, ValueError, AttributeError):
-        kind = None
-    if kind in ("recipe", "intervention"):
-        from torchlens.io.intervention import load_intervention_spec
-
-        spec = load_intervention_spec(path)
-        return spec.recipe if kind == "recipe" else spec
-    return _load(path, lazy=lazy)
+    return load_artifact(path, lazy=lazy)
 
 
 def __getattr__(name: str) -> Any:

@@ -295,10 +295,67 @@ _register("ArtifactError", {
 # Codes added per area. Each area registers its own codes below its own marker (one
 # `_register(ClassName, {...})` call per error class), so parallel work never edits one dict.
 # --- area: callables (loading never runs code) ---
+_register("ArtifactError", {
+    "opaque_op_not_replayable": "a loaded op names a callable outside its backend's closed table (or its arguments "
+                                "hold a callable placeholder); it is opaque and refuses replay before anything runs",
+})
 # --- area: hostile files (bounded allocation, typed loader refusals) ---
+_register("ArtifactError", {
+    "payload_meta_invalid": "a payload's codec metadata (layout permutation, flags, device, key implementation) is malformed",
+})
 # --- area: capture hygiene (threads, global state, save budget) ---
+_register("ReentrantTraceError", {
+    "capture_lock_timeout": "a torch capture waited longer than CAPTURE_LOCK_TIMEOUT_S for another thread's capture",
+})
+_register("TraceCaptureError", {  # coded RuntimeWarnings of a capture ("[code] message")
+    "capture_rng_unaccounted": "warning: the global random stream advanced during the capture outside its recorded random ops",
+    "capture_worker_thread": "warning: Python code ran on another thread during the capture; ops there are not recorded",
+    "capture_state_restore_incomplete": "warning: the capture could not restore an item of the model's state",
+})
 # --- area: publishing (overwrite, crash safety, lazy loads, write failures) ---
+_register("ArtifactError", {
+    "artifact_publish_unconfirmed": "the artifact was renamed into place but flushing its directory failed; "
+                                    "it may not survive a crash",
+})
 # --- area: intervention misuse (forks, changed parameters, helper arguments) ---
+
+
+class ReplayPreconditionError(InterventionError):
+    """Replay refused before recomputing anything: a precondition of the recorded graph no
+    longer holds (a parameter an op of the cone reads changed since capture)."""
+
+
+__all__ += ["ReplayPreconditionError"]
+
+_register("ReplayPreconditionError", {
+    "replay_param_changed_since_capture": "a parameter an op of the replay cone reads changed since capture "
+                                          "(optimizer step, load_state_dict, in-place write, param.data = t)",
+})
+_register("InterventionError", {
+    "edit_argument_invalid": "an edit helper's argument has the wrong type, is not finite, or is out of range",
+    "edit_argument_shape_mismatch": "an edit helper's tensor argument does not broadcast to the site's shape",
+    "axis_semantics_unknown": "mean_ablate(dim=...) names a semantic axis (batch, position, feature) with no axis-role evidence",
+    "position_edit_invalid": "tl.positions got an unsupported positions form or an axis the site does not have",
+    "position_edit_out_of_range": "tl.positions names a position past the site's sequence length",
+    "keep_grad_edit_invalid": "keep_grad was given something that is not an edit or a hook callable",
+    "subspace_basis_dim_mismatch": "a subspace basis's width differs from the site's last axis",
+    "intervention_option_invalid": "intervention= is not InterventionOptions/ReplayOptions, or one of their flags is not a bool",
+})
+
+# --- area: drawing big graphs (layout cost) ---
+
+
+class DrawCostWarning(TorchLensError, UserWarning):
+    """A warning, not raised: a drawing is about to run a Graphviz layout expected to take
+    long. Carries `code`, `fields` (nodes, edges, estimate) and `remedy` like an error."""
+
+
+__all__ += ["DrawCostWarning"]
+
+_register("DrawCostWarning", {
+    "draw_layout_slow": "warning: the Graphviz dot layout of this drawing is expected to take longer than "
+                        "tl.viz.LAYOUT_WARN_SECONDS (estimate from the drawn node count)",
+})
 
 
 def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:

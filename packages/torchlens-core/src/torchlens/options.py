@@ -30,6 +30,9 @@ class CaptureOptions:
     - `on_nonfinite`: `"ignore"`, `"track"`, `"warn"` or `"raise"`.
     - `save_budget`: the most bytes of payloads a capture may keep (`"auto"` or None: no
       limit); a capture over it raises `SaveBudgetExceededError` (`save_budget_exceeded`).
+      The torch backend charges each payload before keeping it and stops the forward at the
+      first one over the budget (with a `save=` selector, every payload held until the
+      selection is resolved counts); other backends are checked after the capture.
     """
 
     save_mode: str = "copy"
@@ -106,11 +109,15 @@ class InterventionOptions:
     - `on_zero_fire`: `"warn"`, `"error"` or `"disclose"` for an edit that fires nowhere.
     - `differentiable`: replay onto a new fork whose recomputed values keep their autograd
       graph (back to the parameters and the edited values) and return that fork.
+    - `allow_changed_params`: let the replay engine run with parameters that changed since
+      capture (default False: `replay_param_changed_since_capture`); the names land in
+      `trace.last_run["replayed_with_changed_params"]`. Rerun and set-only ignore it.
     """
 
     engine: str | None = None
     on_zero_fire: str = "warn"
     differentiable: bool = False
+    allow_changed_params: bool = False
 
     def __post_init__(self) -> None:
         if self.engine is not None and self.engine not in _ENGINES:
@@ -119,6 +126,52 @@ class InterventionOptions:
         if self.on_zero_fire not in _ZERO_FIRE:
             raise InterventionError("zero_fire_policy_invalid", f"on_zero_fire={self.on_zero_fire!r} is not one of {_ZERO_FIRE}",
                                        remedy="'warn', 'error' or 'disclose'")
+        _check_flags(self, ("differentiable", "allow_changed_params"))
 
 
-__all__ = ["CaptureOptions", "InterventionOptions", "TraceOptions"]
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How the replay engine pushes an edit through the recorded graph
+    (`trace.do(site, edit, intervention=ReplayOptions(...))`, always the replay engine).
+
+    - `on_zero_fire`: `"warn"`, `"error"` or `"disclose"` for an edit that fires nowhere.
+    - `allow_changed_params`: as on `InterventionOptions`. There is no `differentiable`
+      field: use `InterventionOptions(differentiable=True)`.
+    """
+
+    on_zero_fire: str = "warn"
+    allow_changed_params: bool = False
+
+    def __post_init__(self) -> None:
+        if self.on_zero_fire not in _ZERO_FIRE:
+            raise InterventionError("zero_fire_policy_invalid", f"on_zero_fire={self.on_zero_fire!r} is not one of {_ZERO_FIRE}",
+                                    remedy="'warn', 'error' or 'disclose'")
+        _check_flags(self, ("allow_changed_params",))
+
+    def as_intervention_options(self) -> InterventionOptions:
+        """The same request spelled as `InterventionOptions(engine="replay", ...)`."""
+        return InterventionOptions(engine="replay", on_zero_fire=self.on_zero_fire,
+                                   allow_changed_params=self.allow_changed_params)
+
+
+def _check_flags(opts: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(getattr(opts, name), bool):
+            raise InterventionError("intervention_option_invalid", f"{type(opts).__name__}.{name} must be a bool, "
+                                    f"not {type(getattr(opts, name)).__name__}", remedy=f"{name}=True or False", field=name)
+
+
+def as_intervention_options(value: Any) -> InterventionOptions:
+    """`do(..., intervention=...)`'s argument as InterventionOptions (None: the defaults)."""
+    if value is None:
+        return InterventionOptions()
+    if isinstance(value, InterventionOptions):
+        return value
+    if isinstance(value, ReplayOptions):
+        return value.as_intervention_options()
+    raise InterventionError("intervention_option_invalid", f"intervention= takes InterventionOptions or ReplayOptions, "
+                            f"not {type(value).__name__}", remedy="intervention=tl.options.InterventionOptions(engine='replay')",
+                            given=type(value).__name__)
+
+
+__all__ = ["CaptureOptions", "InterventionOptions", "ReplayOptions", "TraceOptions"]

@@ -41,9 +41,12 @@ class UnencodableValue:
 
 @dataclass(frozen=True)
 class CallablePlaceholder:
-    """A saved callable: its qualified name and where it sat, never its code.
+    """A saved callable: its name and where it sat, never its code.
 
-    Calling it raises `ArtifactError` code `callable_not_persisted`.
+    A load turns an op's placeholder back into a callable only through the backend's closed
+    callable table; an op left with one is opaque, and replaying it refuses with
+    `opaque_op_not_replayable` before anything runs. Calling a placeholder directly raises
+    `ArtifactError` code `callable_not_persisted`.
     """
 
     qualname: str
@@ -51,6 +54,7 @@ class CallablePlaceholder:
 
     @staticmethod
     def describe(fn: Any) -> str:
+        """`module.qualname` of a callable: the name saved for one no backend table names."""
         module = getattr(fn, "__module__", None) or type(fn).__module__
         name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
         return f"{module}.{name}"

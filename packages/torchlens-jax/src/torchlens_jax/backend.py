@@ -264,18 +264,23 @@ class JAXBackend:
 
     # validation ---------------------------------------------------------------------------------------
     def rebind_op(self, op: Any) -> Any:
-        """A loaded op's callable, rebuilt from its recorded primitive name and parameters
-        (only primitives JAX itself registers), or None."""
-        from torchlens.types import CallablePlaceholder, UnencodableValue
+        """A loaded op's callable, rebuilt from its recorded primitive name and parameters,
+        or None (the op then stays opaque and refuses replay).
+
+        The primitive comes from the closed primitive table only (`primitive_table()`: JAX's
+        own data primitives, by name), never from an import. Parameters are data: a
+        parameter holding a callable placeholder or an unencodable stand-in (a saved jaxpr,
+        callback or custom rule, which a file never carries as code) leaves the op opaque."""
+        from torchlens.types import CallablePlaceholder
         from torchlens_jax.interpret import PrimitiveCall
 
-        name = op.meta.get("primitive")
-        params = op.meta.get("primitive_params")
-        if not isinstance(name, str) or not isinstance(params, dict) or not isinstance(op.func, CallablePlaceholder):
+        name = op.meta.get("primitive") if isinstance(op.meta, dict) else None
+        params = op.meta.get("primitive_params") if isinstance(op.meta, dict) else None
+        if not isinstance(name, str) or type(params) is not dict or not isinstance(op.func, CallablePlaceholder):
             return None
-        if any(isinstance(v, UnencodableValue) for v in params.values()):
+        if not all(type(k) is str for k in params) or not _plain_data(params):
             return None
-        prim = _primitives().get(name)
+        prim = primitive_table().get(name)
         return None if prim is None else PrimitiveCall(prim, dict(params))
 
     def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
@@ -284,28 +289,72 @@ class JAXBackend:
         return validate_trace(self, trace, ground_truth)
 
 
+#: Primitives whose parameters carry code (jaxprs, Python callbacks, custom rules, native
+#: targets, serialized modules): never in the table, so a saved op naming one stays opaque.
+_CODE_PRIMITIVES = frozenset({
+    "cond", "while", "scan", "pure_callback", "io_callback", "debug_callback", "debug_print", "inspect_sharding",
+    "ffi_call", "call_exported", "custom_partitioning", "custom_linear_solve", "custom_vmap_call", "custom_transpose_call",
+    "custom_jvp_call_jaxpr", "linear_call", "eval_jaxpr", "call", "call_hi_primitive", "call_hi_primitive_linearized",
+    "core_map", "run_state", "shard_map", "xla_pmap", "xla_call", "pallas_call", "cudnn_fusion", "remat_opt",
+    "platform_index", "shape_assertion",
+})
 _PRIMITIVES: dict[str, Any] | None = None
+_PRIMITIVES_LOCK = threading.Lock()
 
 
-def _primitives() -> dict[str, Any]:
-    """Every JAX primitive loaded so far, by name (a name two primitives share is left out)."""
+def _plain_data(value: Any, depth: int = 0) -> bool:
+    """True when a decoded parameter value holds no callable placeholder and no unencodable
+    stand-in at any depth (the decoder yields nothing else that could stand for code)."""
+    from torchlens.types import CallablePlaceholder, UnencodableValue
+
+    if isinstance(value, (CallablePlaceholder, UnencodableValue)) or depth > 100:
+        return False
+    if type(value) in (tuple, list) or isinstance(value, tuple):
+        return all(_plain_data(v, depth + 1) for v in value)
+    if type(value) is dict:
+        return all(_plain_data(k, depth + 1) and _plain_data(v, depth + 1) for k, v in value.items())
+    return True
+
+
+def primitive_table() -> dict[str, Any]:
+    """The closed primitive table: name -> JAX primitive object, for every data primitive
+    JAX defines (scanned once from JAX's own modules; a name two primitives share, a call or
+    map primitive and the code-carrying primitives in `_CODE_PRIMITIVES` are left out)."""
     global _PRIMITIVES
-    if _PRIMITIVES is None:
-        import sys
+    with _PRIMITIVES_LOCK:
+        if _PRIMITIVES is None:
+            _PRIMITIVES = _build_primitive_table()
+        return _PRIMITIVES
 
-        from jax.extend.core import Primitive
 
-        found: dict[str, set] = {}
-        objs: dict[int, Any] = {}
-        for modname, mod in list(sys.modules.items()):
-            if not modname.startswith("jax") or mod is None:
-                continue
-            for v in list(getattr(mod, "__dict__", {}).values()):
-                if isinstance(v, Primitive):
-                    found.setdefault(v.name, set()).add(id(v))
-                    objs[id(v)] = v
-        _PRIMITIVES = {n: objs[next(iter(ids))] for n, ids in found.items() if len(ids) == 1}
-    return _PRIMITIVES
+def _build_primitive_table() -> dict[str, Any]:
+    import sys
+
+    import jax.lax  # noqa: F401  (the modules that define the primitives a capture records)
+    import jax.nn  # noqa: F401
+    import jax.numpy  # noqa: F401
+    import jax.random  # noqa: F401
+    from jax.extend.core import Primitive
+
+    from torchlens_jax.interpret import CALL_PRIMITIVES
+
+    found: dict[str, set] = {}
+    objs: dict[int, Any] = {}
+    for modname, mod in sorted(sys.modules.items()):
+        if not (modname == "jax" or modname.startswith("jax.")) or mod is None:
+            continue
+        for v in list(getattr(mod, "__dict__", {}).values()):
+            if isinstance(v, Primitive):
+                found.setdefault(v.name, set()).add(id(v))
+                objs[id(v)] = v
+    table = {}
+    for name, ids in found.items():
+        prim = objs[next(iter(ids))]
+        if (len(ids) != 1 or name in _CODE_PRIMITIVES or name in CALL_PRIMITIVES
+                or getattr(prim, "call_primitive", False) or getattr(prim, "map_primitive", False)):
+            continue
+        table[name] = prim
+    return table
 
 
 _BACKEND: JAXBackend | None = None

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from torchlens.errors import ArtifactError
 from torchlens.io.codec import EncodedPayload
 
 _PLAIN = {"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
@@ -75,41 +76,63 @@ class JaxCodec:
         return None
 
     def decode_literal(self, kind: str, plain: Any) -> Any:
+        """The literal, or None when `plain` is not one (the loader then refuses it, typed).
+        Dtype names are checked against the numeric ones before numpy sees them, and an
+        array literal's element count against its shape before anything is allocated."""
+        try:
+            return self._literal(kind, plain)
+        except (TypeError, ValueError, OverflowError, KeyError, AttributeError):
+            return None
+
+    def _literal(self, kind: str, plain: Any) -> Any:
         from jax import lax
 
         if kind == "numpy.dtype" and isinstance(plain, str):
-            try:
-                import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
-
-                return np.dtype(plain)
-            except TypeError:
-                return None
+            return _numeric_dtype(plain)
         if kind in ("jax.TypedInt", "jax.TypedFloat", "jax.TypedComplex") and isinstance(plain, tuple) and len(plain) == 2:
             from jax._src import literals
 
             name, v = plain
+            dtype = _numeric_dtype(name)
+            want = {"jax.TypedInt": (int,), "jax.TypedFloat": (float,), "jax.TypedComplex": (tuple,)}[kind]
+            if dtype is None or type(v) not in want or (kind == "jax.TypedComplex" and not (
+                    len(v) == 2 and all(type(x) is float for x in v))):
+                return None
+            kinds = {"jax.TypedInt": "iub", "jax.TypedFloat": "f", "jax.TypedComplex": "c"}[kind]
+            if dtype.kind not in kinds and not (kind == "jax.TypedFloat" and dtype.name in _VIEWED):
+                return None  # bfloat16 and the float8 types are floats numpy calls kind "V"
+            if dtype.kind in "iu" and not np.iinfo(dtype).min <= v <= np.iinfo(dtype).max:
+                return None  # a value its dtype cannot hold
             cls = getattr(literals, kind.rpartition(".")[2])
-            return cls(complex(*v) if kind == "jax.TypedComplex" else v, np.dtype(name))
+            return cls(complex(*v) if kind == "jax.TypedComplex" else v, dtype)
         if kind == "jax.TypedNdArray" and isinstance(plain, tuple) and len(plain) == 4:
             import ml_dtypes  # noqa: F401  (bfloat16 and float8 names)
             from jax._src.core import ShapedArray
             from jax._src.literals import TypedNdArray
 
             name, weak, shape, bits = plain
-            dtype = np.dtype(name)
+            dtype = _numeric_dtype(name)
+            if (dtype is None or type(weak) is not bool or not isinstance(shape, tuple)
+                    or not all(type(d) is int and d >= 0 for d in shape)
+                    or int(np.prod(shape, dtype=object)) != _leaf_count(bits)):
+                return None  # the element count must match before numpy allocates anything
             arr = np.asarray(bits, dtype=_VIEWED.get(name, dtype)).view(dtype).reshape(shape)
             return TypedNdArray(arr, ShapedArray(arr.shape, arr.dtype, weak_type=bool(weak)))
-        if kind == "jax.lax.ConvDimensionNumbers" and isinstance(plain, tuple) and len(plain) == 3:
+        if (kind == "jax.lax.ConvDimensionNumbers" and isinstance(plain, tuple) and len(plain) == 3
+                and all(isinstance(s, tuple) and all(type(d) is int for d in s) for s in plain)):
             return lax.ConvDimensionNumbers(*plain)
         if kind == "jax.PRNGImpl" and isinstance(plain, str):
             import importlib
 
             return importlib.import_module("jax._src.random.prng").prngs.get(plain)
-        if kind == "jax.lax.Precision" and isinstance(plain, str):
-            return getattr(lax.Precision, plain, None)
+        if kind == "jax.lax.Precision" and isinstance(plain, str) and plain in lax.Precision.__members__:
+            return lax.Precision[plain]
         return None
 
     def decode(self, payload: EncodedPayload) -> Any:
+        """The array `payload` holds; its metadata is checked first (known keys, a known
+        PRNG implementation whose key shape matches), `payload_meta_invalid` otherwise."""
+        _check_meta(payload)
         arr = np.asarray(payload.array)
         if payload.dtype in _VIEWED:
             import ml_dtypes
@@ -123,6 +146,60 @@ class JaxCodec:
         if impl:
             out = jax.random.wrap_key_data(out, impl=impl)
         return out
+
+
+_META_KEYS = {"device", "prng_impl", "key_shape"}
+_NUMERIC = _PLAIN | set(_VIEWED)
+
+
+def _leaf_count(bits: Any) -> int | None:
+    """Number of scalars in an array literal's nested `tolist()` form (a 0-d array's is one
+    scalar), or None when it holds anything else."""
+    if type(bits) in (int, float, bool):
+        return 1
+    if type(bits) is not list:
+        return None
+    total = 0
+    for b in bits:
+        n = _leaf_count(b)
+        if n is None:
+            return None
+        total += n
+    return total
+
+
+def _numeric_dtype(name: Any) -> Any:
+    """np.dtype(name) for the numeric dtype names the codec writes; None for anything else
+    (numpy parses far more: record, void and sub-array dtypes that allocate per element)."""
+    if type(name) is not str or name not in _NUMERIC:
+        return None
+    import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 with numpy)
+
+    return np.dtype(name)
+
+
+def _bad_meta(why: str, meta: Any) -> ArtifactError:
+    return ArtifactError("payload_meta_invalid", f"jax payload metadata {why}",
+                         remedy="the artifact was modified or damaged; save it again", meta=repr(meta)[:200])
+
+
+def _check_meta(payload: EncodedPayload) -> None:
+    meta = payload.meta
+    if not isinstance(meta, dict) or not set(meta) <= _META_KEYS or not all(type(v) is str for v in meta.values()):
+        raise _bad_meta(f"has keys other than {sorted(_META_KEYS)} or non-text values", meta)
+    if ("prng_impl" in meta) != ("key_shape" in meta):
+        raise _bad_meta("names a PRNG implementation without a key shape (or the reverse)", meta)
+    if "prng_impl" not in meta:
+        return
+    import importlib
+
+    impl = importlib.import_module("jax._src.random.prng").prngs.get(meta["prng_impl"])
+    if impl is None:
+        raise _bad_meta(f"names PRNG implementation {meta['prng_impl'][:40]!r}, which this jax lacks", meta)
+    key_shape = ",".join(str(d) for d in payload.shape[:len(payload.shape) - len(impl.key_shape)])
+    if (payload.dtype != "uint32" or tuple(payload.shape[len(payload.shape) - len(impl.key_shape):]) != tuple(impl.key_shape)
+            or key_shape != meta["key_shape"]):
+        raise _bad_meta(f"key data of shape {payload.shape} is not {meta['prng_impl']} key data", meta)
 
 
 def _device(value: Any) -> str:

@@ -34,6 +34,9 @@ def _fail(op: Any, reason: str, decisions: list, counts: dict, detail: str) -> V
 
 
 def validate_trace(backend: Any, trace: Any, ground_truth: Any = None) -> ValidationStatus:
+    from torchlens.io.opaque import refuse_opaque
+
+    refuse_opaque(trace, trace.ops)  # a loaded op the primitive table could not re-bind, before any op runs
     _refuse_unreplayable(trace)
     by_event = {op.event_id: op for op in trace.ops}
     params = {a: p.value for a, p in trace._params.items()}

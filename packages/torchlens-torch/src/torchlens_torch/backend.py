@@ -4,6 +4,11 @@
 (`interceptor.CaptureMode` + global module hooks), runs the forward once, emits core's
 event stream and lets core's builder make the `Trace`; then it restores the state
 (pure observer) unless `carry_state=True`.
+
+The part that touches process-global state (RNG, MHA fast-path flag, global module hooks,
+the model's state snapshot) runs under `concurrency.exclusive()`: one capture or validation
+replay at a time per process (see `torchlens_torch.concurrency` for the policy and for what
+is detected on other threads instead).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import inspect
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -31,10 +37,11 @@ from torchlens.options import CaptureOptions, TraceOptions
 from torchlens.records.trace import Provenance
 
 from torchlens_torch import __version__
+from torchlens_torch.concurrency import ThreadWatch, exclusive
 from torchlens_torch.describe import MODULE_INTERNALS, describe_model
-from torchlens_torch.interceptor import CaptureMode, Recorder, _run_root, install_module_hooks
+from torchlens_torch.interceptor import CaptureMode, Recorder, _run_root, install_module_hooks, remove_module_hooks
 from torchlens_torch.plugin import FRAMEWORK
-from torchlens_torch.state import ModelStateSnapshot, RngSnapshot, seed_all
+from torchlens_torch.state import ModelStateSnapshot, ParamWriteGuard, RngSnapshot, seed_all
 from torchlens_torch.values import host_copy, iter_leaves
 
 #: Top-level modules of other frameworks whose arrays are not torch inputs.
@@ -131,7 +138,8 @@ class TorchBackend:
         bit for bit, then perturb each float parent and check the output moves."""
         from torchlens_torch.validate import validate_trace
 
-        return validate_trace(trace, **kwargs)
+        with exclusive("validate"):  # replay sets the global RNG: never while another thread captures
+            return validate_trace(trace, **kwargs)
 
     def validation_session(self, num_threads: int | None = None) -> Any:
         """Pins torch's intra-op threads for a `tl.validate` run and restores them."""
@@ -151,7 +159,8 @@ class TorchBackend:
         return attach_module_edits(_root_module(model), rules, ops, fired)
 
     def resolve_callable(self, qualname: str) -> Any:
-        from torchlens_torch.edit_ops import resolve_callable
+        """A saved callable name back to its torch callable, through the closed table only."""
+        from torchlens_torch.callables import resolve_callable
 
         return resolve_callable(qualname)
 
@@ -314,58 +323,21 @@ class _Capture:
                                           f"module {scripted[0]!r} is TorchScript; the ops inside it cannot be observed",
                                           remedy="trace the eager (un-scripted) module instead", modules=scripted)
         grad_store: dict | None = {} if opts.save_grads else None
+        budget = opts.save_budget if isinstance(opts.save_budget, int) else None
         rec = Recorder(desc, save_payloads=self.plan.kind != "none", save_fn=_make_save_fn(opts), grad_store=grad_store,
                        check_nonfinite=None if opts.on_nonfinite == "ignore" else opts.on_nonfinite,
-                       cow_ref=_make_cow_ref(opts))
+                       cow_ref=_make_cow_ref(opts), budget=budget)
         rec.edit_plan = self.edit_plan
         leaves: list = []
         for name, a in zip(pos_names, self.args):
             leaves.extend(iter_leaves(a, name))
         for k, a in self.kwargs.items():
             leaves.extend(iter_leaves(a, kw_names[k]))
-        rec.add_inputs(leaves)
+        rec.add_inputs(leaves)  # an input over save_budget refuses here, before anything changes
 
-        # from here on every path restores the state it snapshots
-        rng = RngSnapshot()
-        state = ModelStateSnapshot(desc.modules)  # restored unless carry_state; read for attribute_writes
-        if opts.seed is not None:
-            seed_all(opts.seed)
-        rng_at_forward = torch.get_rng_state()
-
-        fast_path = _get_mha_fastpath()
-        _set_mha_fastpath(False)
-        handles: list = []
-        mode = CaptureMode(rec)
-        failure: BaseException | None = None
-        output = None
-        t_forward = time.perf_counter()
-        try:
-            handles = install_module_hooks(rec)
-            with grad_ctx, mode:
-                output = _run_root(fn, self.args, self.kwargs)
-        except Exception as exc:  # the forward raised: keep the prefix as a partial trace
-            failure = exc
-        finally:
-            forward_duration = time.perf_counter() - t_forward
-            for h in handles:
-                h.remove()
-            _set_mha_fastpath(fast_path)
-            try:
-                if rec.pending:  # what outlives the forward must not alias a payload
-                    seen: set = set()
-                    if failure is None:
-                        rec.flush_reachable(output, 0, seen)
-                    for _, m in desc.modules:
-                        for k, v in m.__dict__.items():
-                            if k not in MODULE_INTERNALS or k in ("_parameters", "_buffers"):
-                                rec.flush_reachable(v, 0, seen)
-                if failure is None:
-                    rec.add_outputs(list(iter_leaves(output, "output")))
-            finally:
-                writes = state.writes()
-                if not opts.carry_state:
-                    state.restore()
-                rng.restore()
+        with exclusive("capture"):  # one capture at a time per process (global state below)
+            (output, failure, writes, forward_duration, rng_at_forward, params_restored, unseen_param_writes,
+             new_threads) = self._forward(rec, desc, fn, grad_ctx)
 
         t_end = time.perf_counter()
         provenance = Provenance(
@@ -374,8 +346,10 @@ class _Capture:
             duration=t_end - t_start, root_entry_point=entry,
             extra={"rng_state": rng_at_forward, "seed": opts.seed, "forward_duration": forward_duration,
                    "outcome": "FAILED" if failure is not None else "COMPLETE",
-                   "composites_expanded": rec.composite_seq, "nonfinite_events": list(rec.nonfinite_ops)},
+                   "composites_expanded": rec.composite_seq, "nonfinite_events": list(rec.nonfinite_ops),
+                   "owner_thread_id": rec.thread, "params_restored": params_restored},
         )
+        _flag_hygiene(provenance, rec, new_threads, unseen_param_writes)
         options = TraceOptions.from_capture(
             opts, save=repr(self.plan.spec) if self.plan.kind == "select" else self.plan.kind,
             structure_only=self.plan.kind == "none", inference_only=inference_only, backward_ready=want_backward)
@@ -397,6 +371,101 @@ class _Capture:
         trace._torch_extras = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
         provenance.extra["build_duration"] = time.perf_counter() - t_end
         return trace
+
+    def _forward(self, rec: Recorder, desc: Any, fn: Any, grad_ctx: Any) -> tuple:
+        """Run the forward with the interception installed (caller holds the capture lock).
+        Every path restores what it snapshots: the model's state, parameters written in
+        place, the random streams, the MHA fast-path flag and torch's global hook tables."""
+        opts = self.opts
+        rng = RngSnapshot()
+        state = ModelStateSnapshot(desc.modules)  # restored unless carry_state; read for attribute_writes
+        guard = ParamWriteGuard(desc.modules, desc.param_address, copy=not opts.carry_state)
+        rec.param_guard = guard
+        rec.params_written = guard.written
+        if opts.seed is not None:
+            seed_all(opts.seed)
+        rng_at_forward = torch.get_rng_state()
+        rec.rng_next = rng_at_forward
+
+        fast_path = _get_mha_fastpath()
+        _set_mha_fastpath(False)
+        handles: list = []
+        watch = ThreadWatch()
+        mode = CaptureMode(rec)
+        failure: BaseException | None = None
+        output = None
+        rng_end = None
+        t_forward = time.perf_counter()
+        try:
+            handles = install_module_hooks(rec)
+            with watch, grad_ctx, mode:
+                output = _run_root(fn, self.args, self.kwargs)
+        except Exception as exc:  # the forward raised: keep the prefix as a partial trace
+            failure = exc
+        finally:
+            forward_duration = time.perf_counter() - t_forward
+            rng_end = torch.get_rng_state()
+            remove_module_hooks(handles)
+            _set_mha_fastpath(fast_path)
+            try:
+                if rec.pending:  # what outlives the forward must not alias a payload
+                    seen: set = set()
+                    if failure is None:
+                        rec.flush_reachable(output, 0, seen)
+                    for _, m in desc.modules:
+                        for k, v in m.__dict__.items():
+                            if k not in MODULE_INTERNALS or k in ("_parameters", "_buffers"):
+                                rec.flush_reachable(v, 0, seen)
+                if failure is None and rec.budget_error is None:
+                    rec.add_outputs(list(iter_leaves(output, "output")))
+            finally:
+                writes = state.writes()
+                unseen = [] if opts.carry_state else guard.unseen_writes()
+                restored = guard.restored()
+                if not opts.carry_state:
+                    state.restore()
+                    guard.restore()
+                rng.restore()
+        if rec.budget_error is not None:  # also when the forward swallowed it
+            failure = rec.budget_error
+        if not torch.equal(rng_end, rec.rng_next):  # drawn after the last recorded random op
+            rec.rng_unaccounted += 1
+        return output, failure, writes, forward_duration, rng_at_forward, restored, unseen, watch.seen
+
+
+def _flag_hygiene(provenance: Provenance, rec: Recorder, new_threads: list[str], unseen_param_writes: list[str]) -> None:
+    """Mark the trace unverified and warn (coded) for what the capture saw but could not
+    record or restore: other threads' activity, unaccounted random draws, parameter writes."""
+    threads = sorted(set(new_threads) | rec.foreign_threads)
+    provenance.extra["thread_activity_detected"] = bool(threads)
+    reasons: list[str] = []
+    if threads:
+        provenance.extra["foreign_threads"] = threads
+        reasons.append("capture_worker_thread")
+        warnings.warn(
+            f"[capture_worker_thread] Python code ran on other threads during the capture ({', '.join(threads)}): "
+            "torch ops run there are not recorded (their results enter the trace as constants), nor are the traced "
+            "model's modules called there; run the forward's work on the calling thread to record it",
+            RuntimeWarning, stacklevel=5)
+    if rec.rng_unaccounted:
+        provenance.extra["rng_unaccounted"] = rec.rng_unaccounted
+        reasons.append("capture_rng_unaccounted")
+        warnings.warn(
+            "[capture_rng_unaccounted] the global random stream advanced during the capture outside its recorded "
+            "random ops (another thread drew random numbers, or an op drew that TorchLens does not record as random): "
+            "recorded RNG states may not replay, and restoring the caller's RNG rewound those draws; "
+            "avoid drawing on other threads while capturing",
+            RuntimeWarning, stacklevel=5)
+    if reasons:
+        provenance.verified = False
+        provenance.verification_reason = reasons[0]
+    if unseen_param_writes:
+        provenance.extra["params_not_restored"] = list(unseen_param_writes)
+        warnings.warn(
+            f"[capture_state_restore_incomplete] the forward wrote parameters in place where the capture could not "
+            f"see it, so it could not restore them: {', '.join(repr(a) for a in unseen_param_writes)} "
+            "(a write on another thread, inside torch._C.DisableTorchFunction, or by an extension)",
+            RuntimeWarning, stacklevel=5)
 
 
 def _capture_error(exc: BaseException, partial: Any) -> BaseException:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchlens.errors import ArtifactError
 from torchlens.io.codec import EncodedPayload
 
 # torch dtype -> (neutral tag, numpy dtype carrying the bytes)
@@ -84,11 +85,19 @@ class TorchCodec:
             return "torch.memory_format", str(value).rpartition(".")[2]
         return None
 
+    def callable_name(self, fn: Any) -> str | None:
+        """The name a save writes for a recorded callable: its entry in the closed callable
+        table (`callables.py`), the only names a load re-binds; None when it has none."""
+        from torchlens_torch.callables import callable_name
+
+        return callable_name(fn)
+
     def decode_literal(self, kind: str, plain: Any) -> Any:
-        if kind == "torch.Size" and isinstance(plain, tuple) and all(type(d) is int for d in plain):
+        """The literal, or None when `plain` is not one (the loader refuses it, typed)."""
+        if kind == "torch.Size" and isinstance(plain, tuple) and all(type(d) is int and -(2**63) <= d < 2**63 for d in plain):
             return torch.Size(plain)
         if kind == "torch.device" and isinstance(plain, str):
-            return torch.device(plain)
+            return _device_or_none(plain)
         if kind in ("torch.dtype", "torch.layout", "torch.memory_format") and isinstance(plain, str) and plain.isidentifier():
             value = getattr(torch, plain, None)
             expected = {"torch.dtype": torch.dtype, "torch.layout": torch.layout, "torch.memory_format": torch.memory_format}[kind]
@@ -96,7 +105,13 @@ class TorchCodec:
         return None
 
     def decode(self, payload: EncodedPayload) -> Any:
-        dtype = _FROM_TAG[payload.dtype]
+        """The tensor `payload` holds. Its metadata is checked first (known keys, a valid
+        permutation, flags "1", a parsable device); anything else refuses `payload_meta_invalid`."""
+        dtype = _FROM_TAG.get(payload.dtype)
+        if dtype is None:
+            raise ArtifactError("payload_codec_unavailable", f"this torch has no dtype {payload.dtype!r}",
+                                remedy="load with the torch version that saved it", dtype=payload.dtype)
+        order = _check_meta(payload.meta, len(payload.shape), dtype)
         arr = payload.array
         if arr.size and arr.ctypes.data % 64:
             # a view into the blob at an unaligned offset: CPU kernels choose other code paths
@@ -112,14 +127,46 @@ class TorchCodec:
         t = t.reshape(payload.shape)
         if t.numel() and t.data_ptr() % 64:
             t = t.clone()
-        perm = payload.meta.get("perm")
-        if perm:
-            order = [int(d) for d in perm.split(",")]
-            if sorted(order) != list(range(t.dim())):
-                raise ValueError(f"bad permutation {perm!r} for a {t.dim()}-d payload")
+        if order is not None:
             t = t.permute([order.index(d) for d in range(t.dim())])
         if payload.meta.get("parameter") == "1":
             return torch.nn.Parameter(t, requires_grad=payload.meta.get("requires_grad") == "1")
         if payload.meta.get("requires_grad") == "1" and (t.is_floating_point() or t.is_complex()):
             t.requires_grad_(True)
         return t
+
+
+_META_KEYS = {"device", "perm", "parameter", "requires_grad"}
+
+
+def _bad_meta(why: str, meta: dict) -> ArtifactError:
+    return ArtifactError("payload_meta_invalid", f"torch payload metadata {why}",
+                         remedy="the artifact was modified or damaged; save it again", meta=repr(meta)[:200])
+
+
+def _check_meta(meta: dict, ndim: int, dtype: torch.dtype) -> list[int] | None:
+    """Check a payload's metadata against what `encode` writes; return the permutation."""
+    if not isinstance(meta, dict) or not set(meta) <= _META_KEYS or not all(type(v) is str for v in meta.values()):
+        raise _bad_meta(f"has keys other than {sorted(_META_KEYS)} or non-text values", meta)
+    for flag in ("parameter", "requires_grad"):
+        if meta.get(flag, "1") != "1":
+            raise _bad_meta(f"flag {flag} is not '1'", meta)
+    if "requires_grad" in meta and not (dtype.is_floating_point or dtype.is_complex):
+        raise _bad_meta(f"asks for gradients on a {dtype} tensor", meta)
+    if "device" in meta and _device_or_none(meta["device"]) is None:
+        raise _bad_meta(f"names device {meta['device'][:40]!r}, which is not a torch device", meta)
+    perm = meta.get("perm")
+    if perm is None:
+        return None
+    parts = perm.split(",")
+    order = [int(d) for d in parts if d.isascii() and d.isdigit() and len(d) <= 4]
+    if len(order) != len(parts) or sorted(order) != list(range(ndim)) or ndim < 2:
+        raise _bad_meta(f"permutation {perm[:40]!r} is not a permutation of a {ndim}-d payload's axes", meta)
+    return order
+
+
+def _device_or_none(text: str) -> Any:
+    try:
+        return torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        return None

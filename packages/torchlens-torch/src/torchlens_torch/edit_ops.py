@@ -1,10 +1,9 @@
-"""Torch implementations of core's intervention hooks: edit ops, module-output edits for a
-bound executor, and re-binding saved callable names to torch callables."""
+"""Torch implementations of core's intervention hooks: edit ops and module-output edits for
+a bound executor. (Re-binding saved callable names lives in `callables.py`.)"""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Any
 
 import numpy as np
@@ -55,6 +54,22 @@ class TorchEditOps:
             return torch.as_tensor(v)
         return torch.as_tensor(v).to(dtype=like.dtype, device=like.device) if isinstance(v, torch.Tensor) else \
             torch.as_tensor(v, dtype=like.dtype, device=like.device)
+
+    def param_stamp(self, p: Any) -> Any:
+        """What replay compares to notice a parameter changed since capture: the version
+        counter (bumped by optimizer steps, load_state_dict's copy_, in-place writes under
+        no_grad), the storage pointer (moved by `param.data = t`), shape, dtype, device."""
+        if not isinstance(p, torch.Tensor):
+            return None
+        try:
+            version = p._version
+        except RuntimeError:  # inference tensors keep no version counter
+            version = None
+        try:
+            ptr = p.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no plain storage (some subclasses)
+            ptr = None
+        return (version, ptr, tuple(p.shape), p.dtype, p.device)
 
     def grad_enabled(self) -> Any:
         """Replay with autograd on (differentiable replay)."""
@@ -112,7 +127,7 @@ class _Handles:
 def attach_module_edits(root: torch.nn.Module, rules: list, ops: Any, fired: dict) -> _Handles:
     """Forward hooks that edit each targeted module's output leaves as it returns."""
     from torchlens.errors import LookupMissError
-    from torchlens.intervention.edits import HookContext
+    from torchlens.intervention.edits import HookContext, fire
 
     handles = []
     calls: dict[int, int] = {}
@@ -128,47 +143,10 @@ def attach_module_edits(root: torch.nn.Module, rules: list, ops: Any, fired: dic
             if call is not None and n != call:
                 return out
             ctx = HookContext(f"{address}:{n}", None, None, ops)
-            new, count = _edit_leaves(out, lambda t: edit(t, ctx))
+            new, count = _edit_leaves(out, lambda t: fire(edit, t, ctx))  # user code edits a copy, never the input
             if count:
                 fired[i] = fired.get(i, 0) + 1
             return new
 
         handles.append(module.register_forward_hook(hook))
     return _Handles(handles)
-
-
-def _namespaces() -> list:
-    import torch.nn.functional as F
-
-    return [torch, F, torch._C._nn, torch._C._VariableFunctions, torch.Tensor, torch._C.TensorBase, torch.linalg,
-            torch.special, torch.fft]
-
-
-def resolve_callable(qualname: str) -> Any:
-    """A saved callable name back to the torch callable: only callables found in torch's own
-    namespaces whose description is exactly the saved name."""
-    from torchlens.types import CallablePlaceholder
-
-    if not (qualname.startswith("torch") or qualname.startswith("builtins.")):
-        return None
-    last = qualname.rpartition(".")[2]
-    for ns in _namespaces():
-        cand = getattr(ns, last, None)
-        if cand is not None and callable(cand) and CallablePlaceholder.describe(cand) == qualname:
-            return cand
-    parts = qualname.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        modname = ".".join(parts[:cut])
-        if not (modname == "torch" or modname.startswith("torch.")):
-            continue
-        try:
-            obj: Any = importlib.import_module(modname)
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                break
-        if obj is not None and callable(obj) and CallablePlaceholder.describe(obj) == qualname:
-            return obj
-    return None

@@ -27,6 +27,7 @@ from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
 from torchlens.build.events import ArgRef, EventLog, ModuleEnter, ModuleExit, OpEvent
+from torchlens.errors import SaveBudgetExceededError
 
 from torchlens_torch.composites import composite_table
 from torchlens_torch.costs import COST_FUNCS
@@ -56,6 +57,9 @@ _RANDOM_NAMES = frozenset({
 #: Callables that write some tensor arguments without saying so (running statistics).
 _HIDDEN_WRITERS = frozenset({"batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit"})
 
+#: In-place methods that change only metadata: no parameter copy before them.
+_METADATA_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+
 _INPLACE_DUNDERS = frozenset({
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
@@ -66,10 +70,12 @@ class FuncInfo:
     """What the handler needs to know about one callable, computed once per callable."""
 
     __slots__ = ("name", "passthrough", "inplace", "may_inplace", "inplace_index", "hidden_write", "random", "cost",
-                 "composite", "may_write")
+                 "composite", "may_write", "data_set")
 
     def __init__(self, func: Any, composites: dict) -> None:
         name = getattr(func, "__name__", None) or type(func).__name__
+        # `t.data = other` (a setter on the `data` property): rebinds a parameter's storage
+        self.data_set = name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data"
         if name == "__get__":  # property read, e.g. Tensor.T.__get__
             owner = getattr(func, "__self__", None)
             name = getattr(owner, "__name__", name)
@@ -132,7 +138,8 @@ class Recorder:
 
     def __init__(self, desc: ModelDescription, *, save_payloads: bool, save_fn: Callable[[Tensor], Any],
                  grad_store: dict | None, check_nonfinite: str | None,
-                 cow_ref: Callable[[Tensor], Any] | None = None) -> None:
+                 cow_ref: Callable[[Tensor], Any] | None = None, budget: int | None = None,
+                 param_guard: Any = None) -> None:
         self.desc = desc
         self.log = EventLog()
         self.events = self.log.events
@@ -161,6 +168,20 @@ class Recorder:
         self.op_events: dict[int, OpEvent] = {}
         self.edit_plan: Any = None  # core's EditPlan for live interventions (event id -> edits)
         self.enter_events: dict[tuple[str, int], ModuleEnter] = {}
+        # save_budget: payload bytes kept so far, charged before a payload is kept
+        self.budget = budget if save_payloads else None
+        self.kept_bytes = 0
+        self.budget_error: SaveBudgetExceededError | None = None
+        # parameters are copied on the first write the handler sees (state.ParamWriteGuard);
+        # a parameter written in place is read afterwards as a constant holding its
+        # forward-time value (its Param record holds the restored value)
+        self.param_guard = param_guard
+        self.params_written: dict = param_guard.written if param_guard is not None else {}
+        # the global random stream as this capture's last random op left it (see rng_check)
+        self.rng_next: Tensor | None = None
+        self.rng_unaccounted = 0
+        # threads other than the capture's that ran the traced model's modules
+        self.foreign_threads: set[str] = set()
 
     # sources ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -169,6 +190,8 @@ class Recorder:
         return i
 
     def add_source(self, kind: str, t: Tensor, path: str | None, stack: tuple = ()) -> tuple[int, int]:
+        if self.budget is not None:
+            self.charge((t,), kind)
         eid = self._new_id()
         saved = self.save_payloads
         self.events.append(OpEvent(eid, kind, kind, (), (self.save_fn(t) if saved else None,), (tuple(t.shape),),
@@ -180,6 +203,8 @@ class Recorder:
 
     def add_inputs(self, leaves: list[tuple[str, Tensor]]) -> None:
         for path, t in leaves:
+            if self.budget is not None:
+                self.charge((t,), "input", path)
             first = id(t) not in self.tags
             eid = self._new_id()
             saved = self.save_payloads
@@ -216,7 +241,7 @@ class Recorder:
             parents.append(tag)
             return
         addr = self.param_address.get(key)
-        if addr is not None:
+        if addr is not None and key not in self.params_written:
             params.append(addr)
             return
         addr = self.buffer_address.get(key)
@@ -232,7 +257,7 @@ class Recorder:
             parents.append(tag)
             return ArgRef(len(parents) - 1)
         addr = self.param_address.get(id(a))
-        if addr is not None:
+        if addr is not None and id(a) not in self.params_written:
             params.append(addr)
             return ArgRef(-1, addr)
         self._resolve(a, parents, params)
@@ -275,7 +300,6 @@ class Recorder:
                inplace: bool, pre: tuple | None, duration: float, rng: Any, site: tuple) -> Any:
         parents, params, targs, tkwargs = pre if pre is not None else self._resolve_args(args, kwargs)
         eid = self.next_id
-        self.next_id = eid + 1
         plan = self.edit_plan
         if plan is not None and eid in plan and info.name != "__setitem__":
             outs = plan.apply(eid, outs)
@@ -286,6 +310,9 @@ class Recorder:
                     out = type(out)(*outs)
             else:
                 out = outs[0]
+        if self.budget is not None:
+            self.charge(outs, info.name)  # before anything of this op is kept
+        self.next_id = eid + 1
         tags = self.tags
         keep = self.keep
         cow = self.cow_ref
@@ -386,10 +413,64 @@ class Recorder:
                                     remedy="inspect exc.partial_trace, or capture with on_nonfinite='track'",
                                     func_name=name)
 
+    # save budget ------------------------------------------------------------------------
+    def charge(self, tensors: tuple, what: str, path: str | None = None) -> None:
+        """Count the payload bytes about to be kept; refuse before keeping them when the
+        total would pass `save_budget`. A refusal the forward swallows is raised again at the
+        next payload and by the capture after the forward."""
+        if self.budget_error is not None:
+            raise self.budget_error
+        n = 0
+        for o in tensors:
+            if isinstance(o, Tensor):
+                n += o.nbytes
+        total = self.kept_bytes + n
+        if total > self.budget:
+            where = f"{what} {path}" if path else what
+            self.budget_error = SaveBudgetExceededError(
+                "save_budget_exceeded",
+                f"keeping the payload of {where} ({n} bytes) would bring the capture to {total} payload bytes; "
+                f"the budget is {self.budget}",
+                remedy=("raise save_budget=, or keep less with save='none'; a save= selector is resolved after the "
+                        "forward, so the capture holds every payload until then and the budget bounds that peak"),
+                kept_bytes=total, budget=self.budget, func_name=what, path=path, event_index=self.next_id)
+            raise self.budget_error
+        self.kept_bytes = total
+
+    # parameter writes and the random stream ---------------------------------------------
+    def guard_params(self, info: FuncInfo, args: tuple, kwargs: dict) -> None:
+        """Before a call that may write a parameter's storage: let the guard copy it, and
+        forget the parameter's tag so its next read records the value after this write."""
+        targets: list = []
+        if args and isinstance(args[0], Tensor) and info.name not in _METADATA_INPLACE and (
+                info.inplace or info.data_set or (info.may_inplace and _inplace_flag(info, args, kwargs))):
+            targets.append(args[0])
+        out = kwargs.get("out")
+        if isinstance(out, Tensor):
+            targets.append(out)
+        elif type(out) is tuple or type(out) is list:
+            targets.extend(o for o in out if isinstance(o, Tensor))
+        tags = self.tags
+        for t in targets:
+            for p in self.param_guard.before_write(t):
+                tags.pop(id(p), None)
+
+    def rng_check(self, state: Tensor) -> None:
+        """Before a random op: the global stream must be where this capture left it (its last
+        random op, or the forward's start). If not, something drew in between: another
+        thread, or an op TorchLens does not know draws; recorded RNG states may not replay."""
+        expected = self.rng_next
+        if expected is not None and not torch.equal(state, expected):
+            self.rng_unaccounted += 1
+
     # copy-on-write -----------------------------------------------------------------------
     def _materialize(self, ev: OpEvent, slot: int, t: Tensor, version: int) -> None:
         outs = list(ev.outputs)
-        outs[slot] = self.save_fn(t)
+        try:
+            outs[slot] = self.save_fn(t)
+        except RuntimeError:  # a no_grad view whose base was later written in place: no valid graph
+            with torch.no_grad():
+                outs[slot] = self.save_fn(t)
         ev.outputs = tuple(outs)
         if t._version != version:  # written by something the capture did not see as a write
             ev.meta["payload_mutated"] = True
@@ -455,7 +536,10 @@ class Recorder:
     # module hooks ------------------------------------------------------------------------
     def pre_hook(self, module: Any, args: tuple) -> None:
         addr = self.module_address.get(id(module))
-        if addr is None or threading.get_ident() != self.thread:
+        if addr is None:
+            return None
+        if threading.get_ident() != self.thread:  # global hooks fire in every thread
+            self.foreign_threads.add(threading.current_thread().name)
             return None
         n = self.call_counts.get(addr, 0) + 1
         self.call_counts[addr] = n
@@ -544,10 +628,22 @@ class CaptureMode(TorchFunctionMode):
             pre = rec._resolve_args(args, kwargs)  # read sources before the write changes them
             if rec.pending:
                 rec.flush_writes(info, args, kwargs)
-        rng = torch.get_rng_state() if info.random else None
-        t0 = perf_counter()
-        out = func(*args, **kwargs)
-        duration = perf_counter() - t0
+            if rec.param_guard is not None:
+                rec.guard_params(info, args, kwargs)
+        elif info.data_set and rec.param_guard is not None:
+            rec.guard_params(info, args, kwargs)
+        if info.random:
+            rng = torch.get_rng_state()
+            rec.rng_check(rng)
+            t0 = perf_counter()
+            out = func(*args, **kwargs)
+            duration = perf_counter() - t0
+            rec.rng_next = torch.get_rng_state()
+        else:
+            rng = None
+            t0 = perf_counter()
+            out = func(*args, **kwargs)
+            duration = perf_counter() - t0
         if isinstance(out, Tensor):
             outs = (out,)
             multi = False
@@ -601,7 +697,18 @@ class CaptureMode(TorchFunctionMode):
 
 
 def install_module_hooks(rec: Recorder) -> list[Any]:
-    """Global forward pre/post hooks (removed by the caller after the capture)."""
+    """Global forward pre/post hooks (removed with `remove_module_hooks` after the capture)."""
     pre = _nn_module.register_module_forward_pre_hook(rec.pre_hook)
     post = _nn_module.register_module_forward_hook(rec.post_hook, with_kwargs=True, always_call=True)
     return [pre, post]
+
+
+def remove_module_hooks(handles: list[Any]) -> None:
+    """Remove the global hooks, including the `with_kwargs` flag torch's handle forgets
+    (`register_module_forward_hook(with_kwargs=True)` leaves one entry per call in
+    `_global_forward_hooks_with_kwargs` otherwise)."""
+    flags = getattr(_nn_module, "_global_forward_hooks_with_kwargs", None)
+    for h in handles:
+        h.remove()
+        if flags is not None:
+            flags.pop(h.id, None)

@@ -4,7 +4,8 @@ Restored (spec: carry_state): registered buffers (written back only where the fo
 changed them: rebound, or their bytes changed), every module's training flag,
 plain module attributes (rebound, added and removed ones; builtin containers changed in
 place; module-held tensors), the module's `_parameters` / `_buffers` / `_modules` entries,
-and the global random streams (torch CPU and live CUDA devices, Python `random`, NumPy).
+parameter values written in place (`ParamWriteGuard`), and the global random streams (torch
+CPU and live CUDA devices, Python `random`, NumPy).
 Under `carry_state=True` only the random streams are restored.
 """
 
@@ -225,10 +226,84 @@ def _restore_dict(current: dict, saved: dict) -> None:
 def _write_back(t: torch.Tensor, clone: torch.Tensor) -> None:
     """Copy the snapshot back where the bytes changed. Version counters are not enough:
     kernels such as batch_norm update running statistics without bumping them."""
-    if t.shape == clone.shape and t.dtype == clone.dtype and torch.equal(t, clone):
+    same_kind = t.shape == clone.shape and t.dtype == clone.dtype and t.device == clone.device
+    if same_kind and torch.equal(t, clone):
         return  # (a NaN makes equal() False: such a buffer is simply written back)
     with torch.no_grad():
-        if t.shape != clone.shape:
+        if not same_kind:  # `.data` was rebound to another shape, dtype or device
             t.data = clone
         else:
             t.copy_(clone)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """The address of a tensor's storage (0 when it has none: meta, sparse, empty)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+class ParamWriteGuard:
+    """Undo in-place writes to parameters made by the forward, without cloning every
+    parameter per capture (on a GPT-2-sized model that would double memory and time).
+
+    Copy-on-write: the capture's handler calls `before_write(t)` before every call that
+    writes a tensor in place (an `_`-method, `__setitem__`, `out=`, a functional's
+    `inplace=True`, or `t.data = ...`); when `t`'s storage is a parameter's (the parameter
+    itself, a view of it, or its `.data` alias), the parameter is cloned once, and `restore`
+    writes the clone back. Writes the handler cannot see (made on another thread, inside a
+    `DisableTorchFunction` region, by a C++ extension) still move the parameter's version
+    counter; `unseen_writes` names those parameters so the capture can warn
+    (`capture_state_restore_incomplete`), since no copy exists to restore them from. A write
+    through `.data` the handler does not see moves no version counter and goes unnoticed.
+
+    With `copy=False` (`carry_state=True`: nothing is restored) it only notes which
+    parameters were written, so the recorder can read them as forward-time values.
+    """
+
+    def __init__(self, modules: list[tuple[str, nn.Module]], param_address: dict[int, str], copy: bool = True) -> None:
+        self.copy = copy
+        self.params: dict[int, tuple[str, nn.Parameter, int]] = {}
+        self.by_storage: dict[int, list[nn.Parameter]] = {}
+        for addr, m in modules:
+            for k, p in m._parameters.items():
+                if p is None or id(p) in self.params:
+                    continue
+                self.params[id(p)] = (param_address.get(id(p)) or (f"{addr}.{k}" if addr != "self" else k), p, p._version)
+                key = _storage_key(p)
+                if key:
+                    self.by_storage.setdefault(key, []).append(p)
+        # id(param) -> (its copy, an alias of its original storage), or None with copy=False
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def before_write(self, t: torch.Tensor) -> list[nn.Parameter]:
+        """Copy (once) every parameter whose storage `t` writes; returns those parameters."""
+        if not self.by_storage:
+            return []
+        params = self.by_storage.get(_storage_key(t))
+        if not params:
+            return []
+        for p in params:
+            if id(p) not in self.written:
+                self.written[id(p)] = (p.detach().clone(), p.data) if self.copy else None
+        return params
+
+    def restored(self) -> list[str]:
+        """Addresses of the parameters that were copied (written by the forward)."""
+        return [self.params[k][0] for k, c in self.written.items() if c is not None]
+
+    def unseen_writes(self) -> list[str]:
+        """Parameters whose version counter moved with no write seen (read before `restore`)."""
+        return [addr for k, (addr, p, version) in self.params.items() if k not in self.written and p._version != version]
+
+    def restore(self) -> None:
+        for k, saved in self.written.items():
+            if saved is None:
+                continue
+            clone, original = saved
+            p = self.params[k][1]
+            if _storage_key(p) != _storage_key(original):  # `p.data = t` rebound it: give the storage back
+                with torch.no_grad():
+                    p.data = original
+            _write_back(p, clone)

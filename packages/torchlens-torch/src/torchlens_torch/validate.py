@@ -174,6 +174,10 @@ def _perturbed(v: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def validate_trace(trace: Any, **_: Any) -> ValidationStatus:
+    from torchlens.intervention.params import changed_params, param_addresses
+    from torchlens.io.opaque import refuse_opaque
+
+    refuse_opaque(trace, trace._ops.values())  # an op loaded as opaque refuses before any op runs
     rp = _Replayer(trace)
     decisions: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
@@ -208,6 +212,13 @@ def validate_trace(trace: Any, **_: Any) -> ValidationStatus:
             p = rp.ev2op.get(eid)
             if p is None or not p.saved:
                 return fail(op, "parent_payload_missing", f"the saved value of a parent of {op.label} is missing")
+        moved = changed_params(trace, [a for a in param_addresses(op) if a in trace._params])
+        if moved:  # the cause, not a bare replay_mismatch: the weights changed after capture
+            status = fail(op, "replay_param_changed_since_capture",
+                          f"{op.label} reads parameter {moved[0]!r}, which changed since capture (optimizer step, "
+                          "load_state_dict or an in-place write); capture again to validate the current weights")
+            decisions[-1]["param"] = moved[0]
+            return status
         try:
             got = rp.run(op)
         except Exception as exc:  # the recorded call does not re-execute

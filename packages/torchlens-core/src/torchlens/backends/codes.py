@@ -60,4 +60,5 @@ VALIDATION_REASONS: frozenset[str] = frozenset({
     "metadata_invariant_exception", "replay_execution_exception", "unattributed_tensor_arg",
     "dropped_parent_edge_witness",
     "declared_parents_inconsistent", "replay_coverage_incomplete",
+    "replay_param_changed_since_capture",  # a parameter the op reads changed after capture
 })

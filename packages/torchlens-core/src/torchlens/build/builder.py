@@ -184,6 +184,9 @@ def build_trace(
 
     trace.uncalled_modules = [a for a, m in trace._modules.items() if not m.calls]
     trace.cost = cost or _cost(trace)
+    from torchlens.intervention.params import stamp_params
+
+    stamp_params(trace)  # replay refuses parameters changed after this point
     return trace
 
 

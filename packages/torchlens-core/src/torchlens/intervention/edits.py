@@ -4,15 +4,22 @@ An `Edit` is a frozen description (name, arguments) plus the function that appli
 math runs through the backend's edit ops (`backend.edit_ops()`: `zeros_like`, `clip`,
 `mean`, `norm`, `randn_like`, `moveaxis`, `asarray`, `clone`, `permute_flat`), so the
 same helper works on torch tensors and numpy arrays alike, and core imports no framework.
+
+Each helper checks its arguments when it is built and carries a `check(site_shape)` run at
+staging (`checks.py`). Every engine applies an edit through `fire`, which hands user code (a
+hook, a spliced module, a hand-built Edit) its own copy of the value, so no edit can write
+into a payload another trace holds or into the model's weights or inputs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from torchlens.errors import AmbiguousAxisError, InterventionError
+from torchlens.intervention import checks as C
 
 
 @dataclass
@@ -34,7 +41,11 @@ class Edit:
 
     `portability` is "builtin" for the named helpers and "callable" for user hooks;
     `signal` is None for neutral edits and "forward" for edits that read recorded forward
-    state (patch_from, mean_ablate, splice_module).
+    state (patch_from, mean_ablate, splice_module). `check(site_shape)` refuses a site the
+    edit does not fit (run at staging against the recorded shape, and again at fire time).
+    `trusted` is True only for edits built by TorchLens' own helpers from TorchLens code:
+    every other edit (a hook, a spliced module, a hand-built Edit) gets its own copy of the
+    value, so it can never write into a payload another trace holds.
     """
 
     name: str
@@ -44,9 +55,21 @@ class Edit:
     signal: str | None = None
     allow_shape_change: bool = False
     tensors: tuple[Any, ...] = ()
+    check: Callable[[tuple], None] | None = None
 
     def __call__(self, value: Any, ctx: HookContext) -> Any:
+        if self.check is not None and hasattr(value, "shape"):
+            self.check(tuple(value.shape))
         return self.fn(value, ctx)
+
+    @property
+    def trusted(self) -> bool:
+        return bool(self.__dict__.get("_trusted", False))
+
+    def check_site(self, shape: Any) -> None:
+        """Refuse a site of this recorded shape before anything is mutated (staging)."""
+        if self.check is not None and shape is not None:
+            self.check(tuple(shape))
 
     def identity(self) -> str:
         """A stable text identity (used by Recipe.digest and duplicate checks)."""
@@ -57,6 +80,35 @@ class Edit:
 
     def __repr__(self) -> str:
         return f"tl.{self.identity()}"
+
+
+def _builtin(edit: Edit, trusted: bool = True) -> Edit:
+    """Mark an edit built here, from TorchLens code only, as trusted not to write into its input."""
+    if trusted:
+        object.__setattr__(edit, "_trusted", True)
+    return edit
+
+
+def fire(edit: Edit, value: Any, ctx: HookContext) -> Any:
+    """Apply `edit` to `value` on any engine. An untrusted edit (user code) is handed a copy
+    it may mutate (copy-on-write), never the payload, parameter or input the value aliases."""
+    if not edit.trusted and hasattr(value, "shape"):
+        value = ctx.ops.clone(value)
+    return edit(value, ctx)
+
+
+def _both(*checks: Any) -> Callable[[tuple], None] | None:
+    present = [c for c in checks if c is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0]
+
+    def run(shape: tuple) -> None:
+        for c in present:
+            c(shape)
+
+    return run
 
 
 def _value_identity(v: Any) -> str:
@@ -74,15 +126,7 @@ def tensor_digest(v: Any) -> str:
     """sha256 of a tensor's content (via numpy, without importing a framework)."""
     import numpy as np
 
-    arr = v
-    if not isinstance(v, np.ndarray):
-        detach = getattr(v, "detach", None)
-        if detach is not None:
-            v = detach()
-            if str(getattr(v, "dtype", "")) == "torch.bfloat16":
-                v = v.float()
-            v = v.cpu().numpy() if hasattr(v, "cpu") else v
-        arr = np.asarray(v)
+    arr = C.to_numpy(v)
     h = hashlib.sha256()
     h.update(str(arr.dtype).encode())
     h.update(str(arr.shape).encode())
@@ -102,44 +146,144 @@ def _axis(value: Any, n: int, dim: int | None, who: str) -> int:
     return matches[0]
 
 
+def _vector_check(who: str, n: int, dim: int | None) -> Callable[[tuple], None]:
+    """A 1-d direction of length `n` must lie along `dim` (or one inferred axis) of the site."""
+    remedy = f"pass a direction as long as the site's axis dim, or dim= naming an axis of length {n}"
+
+    def check(site: tuple) -> None:
+        if dim is None:
+            matches = [i for i, s in enumerate(site) if s == n]
+            if len(matches) != 1:
+                raise AmbiguousAxisError("axis_ambiguous", f"{who}: a direction of length {n} matches axes {matches} of "
+                                         f"shape {site}", remedy=f"pass dim= (one of {matches or list(range(len(site)))})",
+                                         matching_dims=matches, shape=site)
+            return
+        axis = C.axis_in(who, dim, site, "steer_direction_invalid", remedy)
+        if site[axis] != n:
+            raise C.bad(who, f"a direction of length {n} does not fit axis {dim} of the site's shape {site} "
+                        f"(length {site[axis]})", remedy, "steer_direction_invalid", length=n, dim=dim, site_shape=site)
+
+    return check
+
+
+def _allow(who: str, allow_shape_change: Any) -> bool:
+    return C.flag(who, "allow_shape_change", allow_shape_change)
+
+
+def _scalar_value(v: Any) -> Any:
+    """A Python number to compute with (numpy scalars as float/int; tensors unchanged)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    return v
+
+
 # helpers ---------------------------------------------------------------------------------
 
 def zero_ablate(*, allow_shape_change: bool = False) -> Edit:
     """Set the site to zeros."""
-    return Edit("zero_ablate", (), lambda v, ctx: ctx.ops.zeros_like(v), allow_shape_change=allow_shape_change)
+    _allow("zero_ablate", allow_shape_change)
+    return _builtin(Edit("zero_ablate", (), lambda v, ctx: ctx.ops.zeros_like(v), allow_shape_change=allow_shape_change))
 
 
 def scale(factor: float, *, allow_shape_change: bool = False) -> Edit:
-    """Multiply the site by `factor`."""
-    return Edit("scale", (("factor", factor),), lambda v, ctx: v * factor, allow_shape_change=allow_shape_change)
+    """Multiply the site by `factor` (a finite real number)."""
+    C.real("scale", "factor", factor, remedy="tl.scale(0.5): a finite int or float")
+    _allow("scale", allow_shape_change)
+    f = _scalar_value(factor)
+    return _builtin(Edit("scale", (("factor", factor),), lambda v, ctx: v * f, allow_shape_change=allow_shape_change))
 
 
 def add(value: Any, *, allow_shape_change: bool = False) -> Edit:
-    """Add a scalar or a broadcastable tensor."""
-    tensors = () if isinstance(value, (int, float)) else (value,)
-    return Edit("add", (("value", value),), lambda v, ctx: v + ctx.ops.asarray(value, v), tensors=tensors,
-                allow_shape_change=allow_shape_change)
+    """Add a finite scalar or a finite tensor that broadcasts to the site."""
+    _allow("add", allow_shape_change)
+    remedy = "tl.add(1.0) or tl.add(t) with a finite tensor that broadcasts to the site"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        C.real("add", "value", value, remedy=remedy)
+        v0 = _scalar_value(value)
+        return _builtin(Edit("add", (("value", value),), lambda v, ctx: v + v0, allow_shape_change=allow_shape_change))
+    shape = C.tensor("add", "value", value, remedy=remedy)
+    check = None if allow_shape_change else (lambda site: C.broadcast_into("add", "value", shape, site, False))
+    return _builtin(Edit("add", (("value", value),), lambda v, ctx: v + ctx.ops.asarray(value, v), tensors=(value,),
+                         allow_shape_change=allow_shape_change, check=check))
 
 
 def clamp(min: float | None = None, max: float | None = None, *, allow_shape_change: bool = False) -> Edit:  # noqa: A002
     """Clip the site to [min, max]."""
     if min is None and max is None:
         raise InterventionError("intervention_edit_invalid", "clamp needs min= or max=", remedy="tl.clamp(min=0.0)")
-    return Edit("clamp", (("min", min), ("max", max)), lambda v, ctx: ctx.ops.clip(v, min, max),
-                allow_shape_change=allow_shape_change)
+    remedy = "tl.clamp(min=-1.0, max=1.0): finite numbers with min <= max"
+    for name, bound in (("min", min), ("max", max)):
+        if bound is not None:
+            C.real("clamp", name, bound, remedy=remedy)
+    if min is not None and max is not None and float(min) > float(max):
+        raise C.bad("clamp", f"min={min!r} is above max={max!r}", remedy)
+    _allow("clamp", allow_shape_change)
+    lo = None if min is None else _scalar_value(min)
+    hi = None if max is None else _scalar_value(max)
+    return _builtin(Edit("clamp", (("min", min), ("max", max)), lambda v, ctx: ctx.ops.clip(v, lo, hi),
+                         allow_shape_change=allow_shape_change))
 
 
 def add_noise(std: float = 1.0, *, seed: int = 0, allow_shape_change: bool = False) -> Edit:
     """Add Gaussian noise with standard deviation `std`, drawn from its own seeded stream."""
-    return Edit("add_noise", (("std", std), ("seed", seed)), lambda v, ctx: v + ctx.ops.randn_like(v, seed) * std,
-                allow_shape_change=allow_shape_change)
+    C.real("add_noise", "std", std, low=0.0, remedy="tl.add_noise(0.1, seed=0): a finite std >= 0")
+    C.integer("add_noise", "seed", seed, low=0, high=2**63 - 1, remedy="seed= a non-negative int")
+    _allow("add_noise", allow_shape_change)
+    s = _scalar_value(std)
+    return _builtin(Edit("add_noise", (("std", std), ("seed", seed)), lambda v, ctx: v + ctx.ops.randn_like(v, seed) * s,
+                         allow_shape_change=allow_shape_change))
+
+
+_SEMANTIC_AXES = ("batch", "position", "feature")
+
+
+def _mean_dims(dim: Any) -> tuple[int, ...] | None:
+    if dim is None:
+        return None
+    if isinstance(dim, str) and dim in _SEMANTIC_AXES:
+        raise InterventionError("axis_semantics_unknown", f"mean_ablate(dim={dim!r}) names an axis role TorchLens has no "
+                                "evidence for", remedy="pass the axis number, e.g. mean_ablate(dim=0) for the batch axis",
+                                dim=dim)
+    ok = isinstance(dim, numbers.Integral) and not isinstance(dim, bool)
+    ok = ok or (isinstance(dim, tuple) and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in dim))
+    if not ok:
+        raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}) is not None, an int or a tuple of ints",
+                                remedy="mean_ablate(dim=0) averages over the batch axis", dim=repr(dim))
+    dims = (int(dim),) if not isinstance(dim, tuple) else tuple(int(d) for d in dim)
+    if len(set(dims)) != len(dims):
+        raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}) names an axis twice",
+                                remedy="name each axis once", dim=repr(dim))
+    return dims
 
 
 def mean_ablate(source: Any = None, *, dim: Any, allow_shape_change: bool = False) -> Edit:
     """Fill the site with a mean over `dim` (None: every axis) of `source` (default: the site)."""
-    if not (dim is None or isinstance(dim, int) or (isinstance(dim, tuple) and all(isinstance(d, int) for d in dim))):
-        raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}) is not None, an int or a tuple of ints",
-                                remedy="mean_ablate(dim=0) averages over the batch axis", dim=repr(dim))
+    dims = _mean_dims(dim)
+    _allow("mean_ablate", allow_shape_change)
+    src_shape: tuple | None = None
+    if source is not None and not hasattr(source, "out"):
+        src_shape = C.tensor("mean_ablate", "source", source,
+                             remedy="pass a finite tensor, an Op (its .out), or no source (the site's own value)")
+    elif source is not None:
+        src_shape = tuple(getattr(source, "shape", None) or ()) or None
+
+    def check(site: tuple) -> None:
+        shape = site if source is None else src_shape
+        if shape is None:
+            return
+        if dims is not None:
+            for d in dims:
+                if not -len(shape) <= d < len(shape):
+                    raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}): axis {d} is not an "
+                                            f"axis of the {'site' if source is None else 'source'} (shape {shape})",
+                                            remedy=f"pick axes in range({len(shape)}) (or negative from the end)",
+                                            dim=repr(dim), shape=shape)
+            reduced = tuple(1 if (i in {d % len(shape) for d in dims}) else n for i, n in enumerate(shape))
+        else:
+            reduced = ()
+        C.broadcast_into("mean_ablate", "the mean of source", reduced, site, allow_shape_change)
 
     def fn(v, ctx):
         src = v if source is None else _source_value(source, ctx)
@@ -147,74 +291,123 @@ def mean_ablate(source: Any = None, *, dim: Any, allow_shape_change: bool = Fals
         return ctx.ops.zeros_like(v) + m
 
     tensors = () if source is None or not hasattr(source, "shape") else (source,)
-    return Edit("mean_ablate", (("source", source), ("dim", dim)), fn, signal="forward", tensors=tensors,
-                allow_shape_change=allow_shape_change)
+    return _builtin(Edit("mean_ablate", (("source", source), ("dim", dim)), fn, signal="forward", tensors=tensors,
+                         allow_shape_change=allow_shape_change, check=check))
 
 
 def replace_with(value: Any, *, allow_shape_change: bool = False) -> Edit:
-    """Set the site to a fixed value (a tensor or a scalar)."""
-    if isinstance(value, (int, float)):
-        return Edit("replace_with", (("value", value),), lambda v, ctx: ctx.ops.zeros_like(v) + value,
-                    allow_shape_change=allow_shape_change)
-    return Edit("replace_with", (("value", value),), lambda v, ctx: ctx.ops.clone(ctx.ops.asarray(value, v)),
-                tensors=(value,), allow_shape_change=allow_shape_change)
+    """Set the site to a fixed value (a finite tensor of the site's shape, or a finite scalar)."""
+    _allow("replace_with", allow_shape_change)
+    remedy = "tl.replace_with(t) with a finite tensor of the site's shape, or a finite number"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        C.real("replace_with", "value", value, remedy=remedy)
+        v0 = _scalar_value(value)
+        return _builtin(Edit("replace_with", (("value", value),), lambda v, ctx: ctx.ops.zeros_like(v) + v0,
+                             allow_shape_change=allow_shape_change))
+    shape = C.tensor("replace_with", "value", value, remedy=remedy)
+
+    def check(site: tuple) -> None:
+        if shape != tuple(site) and not allow_shape_change:
+            raise InterventionError("intervention_shape_changed", f"replace_with: a value of shape {shape} would change the "
+                                    f"site from {tuple(site)}", remedy="pass a value of the site's shape, or "
+                                    "allow_shape_change=True if that is intended", shape=shape, site_shape=tuple(site))
+
+    return _builtin(Edit("replace_with", (("value", value),), lambda v, ctx: ctx.ops.clone(ctx.ops.asarray(value, v)),
+                         tensors=(value,), allow_shape_change=allow_shape_change, check=check))
+
+
+def _dim(who: str, dim: Any) -> int | None:
+    if dim is None:
+        return None
+    return C.integer(who, "dim", dim, remedy="dim= an int axis of the site (or None to infer it)")
 
 
 def steer(direction: Any, strength: float = 1.0, *, dim: int | None = None, allow_shape_change: bool = False) -> Edit:
     """Add `strength * direction` along axis `dim` (inferred when exactly one axis fits)."""
+    shape = C.direction("steer", direction, vector=False, nonzero=False)
+    C.real("steer", "strength", strength, remedy="tl.steer(v, 4.0): a finite strength")
+    d_axis = _dim("steer", dim)
+    _allow("steer", allow_shape_change)
+    if len(shape) != 1 and d_axis is not None:
+        raise C.bad("steer", f"dim= places a 1-d direction; this direction has shape {shape}",
+                    "drop dim= (a multi-axis direction broadcasts against the site) or pass a 1-d direction",
+                    "steer_direction_invalid", shape=shape)
+    if len(shape) == 1:
+        check = _vector_check("steer", shape[0], d_axis)
+    else:
+        def check(site: tuple) -> None:
+            C.broadcast_into("steer", "direction", shape, site, allow_shape_change, code="steer_direction_invalid")
+    k = _scalar_value(strength)
 
     def fn(v, ctx):
         d = ctx.ops.asarray(direction, v)
-        axis = _axis(v, int(d.shape[-1]), dim, "steer") if len(d.shape) == 1 else None
+        axis = _axis(v, int(d.shape[-1]), d_axis, "steer") if len(d.shape) == 1 else None
         if axis is None:
-            return v + d * strength
+            return v + d * k
         moved = ctx.ops.moveaxis(v, axis, -1)
-        return ctx.ops.moveaxis(moved + d * strength, -1, axis)
+        return ctx.ops.moveaxis(moved + d * k, -1, axis)
 
-    return Edit("steer", (("direction", direction), ("strength", strength), ("dim", dim)), fn, tensors=(direction,),
-                allow_shape_change=allow_shape_change)
+    return _builtin(Edit("steer", (("direction", direction), ("strength", strength), ("dim", dim)), fn, tensors=(direction,),
+                         allow_shape_change=allow_shape_change, check=check))
 
 
 def _projection(direction: Any, dim: int | None, keep: bool, name: str) -> Edit:
+    shape = C.direction(name, direction, vector=True, nonzero=True)
+    d_axis = _dim(name, dim)
+
     def fn(v, ctx):
         d = ctx.ops.asarray(direction, v)
-        if len(d.shape) != 1:
-            raise InterventionError("steer_direction_invalid", f"{name} needs a 1-d direction, got shape {tuple(d.shape)}",
-                                    remedy="pass a vector")
         u = d / ctx.ops.norm(d, None, False)
-        axis = _axis(v, int(d.shape[0]), dim, name)
+        axis = _axis(v, int(d.shape[0]), d_axis, name)
         moved = ctx.ops.moveaxis(v, axis, -1)
         coeff = moved @ u
         along = coeff[..., None] * u
         out = along if keep else moved - along
         return ctx.ops.moveaxis(out, -1, axis)
 
-    return Edit(name, (("direction", direction), ("dim", dim)), fn, tensors=(direction,))
+    return _builtin(Edit(name, (("direction", direction), ("dim", dim)), fn, tensors=(direction,),
+                         check=_vector_check(name, shape[0], d_axis)))
 
 
 def project_onto(direction: Any, *, dim: int | None = None) -> Edit:
-    """Keep only the component along `direction`."""
+    """Keep only the component along `direction` (finite, 1-d, non-zero)."""
     return _projection(direction, dim, True, "project_onto")
 
 
 def project_out(direction: Any, *, dim: int | None = None) -> Edit:
-    """Remove the component along `direction`."""
+    """Remove the component along `direction` (finite, 1-d, non-zero)."""
     return _projection(direction, dim, False, "project_out")
 
 
 def clip_norm(max_norm: float, norm_type: float = 2.0) -> Edit:
     """Rescale the whole tensor so its `norm_type` norm is at most `max_norm`."""
+    C.real("clip_norm", "max_norm", max_norm, low=0.0, remedy="tl.clip_norm(1.0): a finite max_norm >= 0")
+    C.real("clip_norm", "norm_type", norm_type, low=0.0, low_open=True, allow_inf=True,
+           remedy="norm_type= a number > 0 (2.0 by default, float('inf') for the max norm)")
+    mx, p = _scalar_value(max_norm), _scalar_value(norm_type)
 
     def fn(v, ctx):
-        n = ctx.ops.norm(v, None, False, norm_type)
-        factor = ctx.ops.clip(max_norm / (n + 1e-12), None, 1.0)
+        n = ctx.ops.norm(v, None, False, p)
+        factor = ctx.ops.clip(mx / (n + 1e-12), None, 1.0)
         return v * factor
 
-    return Edit("clip_norm", (("max_norm", max_norm), ("norm_type", norm_type)), fn)
+    return _builtin(Edit("clip_norm", (("max_norm", max_norm), ("norm_type", norm_type)), fn))
+
+
+def _is_trace_like(v: Any) -> bool:
+    return hasattr(v, "ops") and hasattr(v, "find_sites")
 
 
 def patch_from(source: Any, *, site: Any = None) -> Edit:
     """Replace the site with the value a donor trace recorded at the same label (or `site`)."""
+    if not _is_trace_like(source):
+        raise InterventionError("patch_source_invalid", f"patch_from needs a donor trace, not {type(source).__name__}",
+                                remedy="tl.patch_from(donor_trace); for a fixed tensor use tl.replace_with(t)")
+    from torchlens.select.selectors import Selector
+
+    if not (site is None or isinstance(site, (str, Selector))):
+        raise InterventionError("patch_source_invalid", f"patch_from(site=...) takes a label or selector, not "
+                                f"{type(site).__name__}", remedy="site='relu_1_2' or site=tl.module('fc')")
 
     def fn(v, ctx):
         key = site if site is not None else ctx.label
@@ -225,24 +418,26 @@ def patch_from(source: Any, *, site: Any = None) -> Edit:
                                     remedy="patch between traces of the same model, or pass site=") from exc
         return ctx.ops.clone(donor.out)
 
-    return Edit("patch_from", (("source", f"<trace {getattr(source, 'name', '?')}>"), ("site", repr(site))), fn,
-                signal="forward", portability="session")
+    return _builtin(Edit("patch_from", (("source", f"<trace {getattr(source, 'name', '?')}>"), ("site", repr(site))), fn,
+                         signal="forward", portability="session"))
 
 
 def swap_with(donor: Any) -> Edit:
     """Replace the site with a fixed donor tensor (portable), or a donor trace's value."""
-    if hasattr(donor, "ops") and hasattr(donor, "find_sites"):
+    if _is_trace_like(donor):
         return patch_from(donor)
     return replace_with(donor)
 
 
 def scramble_elements(seed: int = 0) -> Edit:
     """Replace the site with an iid scramble of its own flattened elements."""
-    return Edit("scramble_elements", (("seed", seed),), lambda v, ctx: ctx.ops.permute_flat(v, seed))
+    C.integer("scramble_elements", "seed", seed, low=0, high=2**63 - 1, remedy="seed= a non-negative int")
+    return _builtin(Edit("scramble_elements", (("seed", seed),), lambda v, ctx: ctx.ops.permute_flat(v, seed)))
 
 
 def hook(fn: Callable[..., Any]) -> Edit:
-    """Wrap a hook callable `fn(value, *, ctx)`; it may return a new value or None (keep)."""
+    """Wrap a hook callable `fn(value, *, ctx)`; it may return a new value or None (keep).
+    It receives its own copy of the value, so an in-place write changes only the result."""
     if not callable(fn):
         raise InterventionError("intervention_edit_invalid", f"{type(fn).__name__} is not callable",
                                 remedy="pass a helper such as tl.zero_ablate() or a function fn(t, *, ctx)")
@@ -274,10 +469,14 @@ def as_edit(obj: Any) -> Edit:
 
 
 def splice_module(module: Any, input_route: str = "out") -> Edit:
-    """Replace the site's value with `module(value)` (a black-box forward splice)."""
+    """Replace the site's value with `module(value)` (a black-box forward splice). The module
+    gets its own copy of the value (an in-place module cannot write into a payload)."""
     if input_route not in ("out", "in"):
         raise InterventionError("intervention_edit_invalid", f"input_route={input_route!r} is not 'out' or 'in'",
                                 remedy="splice_module(module, input_route='out')")
+    if input_route == "in":
+        raise C.bad("splice_module", "input_route='in' (feed the site's input) is not supported by this build",
+                    "splice_module(module, input_route='out') feeds the site's own value")
     if not callable(module):
         raise InterventionError("intervention_edit_invalid", "splice_module needs a callable module",
                                 remedy="pass an nn.Module or function")
@@ -285,29 +484,58 @@ def splice_module(module: Any, input_route: str = "out") -> Edit:
                 lambda v, ctx: module(v), portability="session", signal="forward", allow_shape_change=True)
 
 
+def _positions(pos: Any) -> tuple[int, ...]:
+    remedy = "pass an int or a list of ints (negative counts from the end), e.g. tl.positions(edit, [-1])"
+    if isinstance(pos, numbers.Integral) and not isinstance(pos, bool):
+        return (int(pos),)
+    if isinstance(pos, (list, tuple, range)) and len(pos) > 0 and all(
+            isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in pos):
+        return tuple(int(p) for p in pos)
+    raise InterventionError("position_edit_invalid", f"positions={pos!r:.80} is not a supported form", remedy=remedy,
+                            form=type(pos).__name__)
+
+
 def positions(edit: Any, positions: Any, *, mask: Any = None, assume_no_padding: bool = False, axis: int = 1) -> Edit:
     """Restrict a same-shape edit to chosen token positions of a (batch, tokens, ...) value."""
     inner = as_edit(edit)
-    pos = tuple(positions) if isinstance(positions, (list, tuple, range)) else (int(positions),)
+    pos = _positions(positions)
+    if mask is not None:
+        raise InterventionError("position_edit_invalid", "positions(mask=...) is not supported by this build",
+                                remedy="pass explicit positions with mask=None")
+    C.flag("positions", "assume_no_padding", assume_no_padding)
+    ax = C.integer("positions", "axis", axis, remedy="axis= the token axis (an int)", code="position_edit_invalid")
+
+    def own_check(site: tuple) -> None:
+        a = C.axis_in("positions", ax, site, "position_edit_invalid", "axis= an axis of the site (the token axis)")
+        n = site[a]
+        out = [p for p in pos if not -n <= p < n]
+        if out:
+            raise InterventionError("position_edit_out_of_range", f"positions {out} are past a sequence of {n} tokens",
+                                    remedy=f"positions in range(-{n}, {n})", positions=out, length=n)
 
     def fn(v: Any, ctx: HookContext) -> Any:
         new = inner(v, ctx)
-        n = v.shape[axis]
+        a = ax % len(v.shape)
+        n = v.shape[a]
         picked = [p % n for p in pos]
         keep = [i for i in range(n) if i not in picked]
         if not keep:
             return new
-        moved_new, moved_old = ctx.ops.moveaxis(new, axis, 0), ctx.ops.moveaxis(v, axis, 0)
+        moved_new, moved_old = ctx.ops.moveaxis(new, a, 0), ctx.ops.moveaxis(v, a, 0)
         sel = ctx.ops.asarray([[i in picked] for i in range(n)], None)
         sel = sel.reshape((n,) + (1,) * (len(v.shape) - 1))
-        return ctx.ops.moveaxis(ctx.ops.where(sel, moved_new, moved_old), 0, axis)
+        return ctx.ops.moveaxis(ctx.ops.where(sel, moved_new, moved_old), 0, a)
 
-    return Edit("positions", (("edit", inner.identity()), ("positions", pos), ("axis", axis)), fn,
-                portability=inner.portability, signal=inner.signal, tensors=inner.tensors)
+    return _builtin(Edit("positions", (("edit", inner.identity()), ("positions", pos), ("axis", axis)), fn,
+                         portability=inner.portability, signal=inner.signal, tensors=inner.tensors,
+                         check=_both(own_check, inner.check)), trusted=inner.trusted)
 
 
 def keep_grad(edit: Any) -> Edit:
     """The same forward edit, checked at fire time to keep the autograd graph."""
+    if not (isinstance(edit, Edit) or callable(edit)):
+        raise InterventionError("keep_grad_edit_invalid", f"keep_grad wraps an edit or a hook callable, not "
+                                f"{type(edit).__name__}", remedy="keep_grad(tl.scale(0.0))")
     inner = as_edit(edit)
 
     def fn(v: Any, ctx: HookContext) -> Any:
@@ -320,8 +548,9 @@ def keep_grad(edit: Any) -> Edit:
                                        reason="edit_detached")
         return out
 
-    return Edit(inner.name, inner.kwargs + (("keep_grad", True),), fn, portability="opaque_audit", signal=inner.signal,
-                tensors=inner.tensors, allow_shape_change=inner.allow_shape_change)
+    return _builtin(Edit(inner.name, inner.kwargs + (("keep_grad", True),), fn, portability="opaque_audit",
+                         signal=inner.signal, tensors=inner.tensors, allow_shape_change=inner.allow_shape_change,
+                         check=inner.check), trusted=inner.trusted)
 
 
 def stamp_tensors(edit: Edit) -> None:

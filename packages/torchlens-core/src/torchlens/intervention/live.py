@@ -12,7 +12,7 @@ import warnings
 from typing import Any
 
 from torchlens.errors import InterventionError
-from torchlens.intervention.edits import Edit, HookContext
+from torchlens.intervention.edits import Edit, HookContext, fire
 from torchlens.intervention.recipe import Recipe
 
 
@@ -34,7 +34,7 @@ class EditPlan:
         ctx = HookContext(self.labels.get(event_id, str(event_id)), None, None, self.ops, signal="backward",
                           run_state=self.run_state)
         for edit in self.grad_by_event[event_id]:
-            grad = edit(grad, ctx)
+            grad = fire(edit, grad, ctx)
         self.grad_fired[event_id] = self.grad_fired.get(event_id, 0) + 1
         return grad
 
@@ -50,7 +50,7 @@ class EditPlan:
                 if v is None or not hasattr(v, "shape"):
                     continue
                 ctx = HookContext(self.labels.get(event_id, str(event_id)), None, None, self.ops, run_state=self.run_state)
-                out = edit(v, ctx)
+                out = fire(edit, v, ctx)  # a user callable gets a copy: the live value may alias inputs or weights
                 _check_shape(_Named(ctx.label), edit, v, out)
                 new[i] = out
         self.fired[event_id] = self.fired.get(event_id, 0) + 1
@@ -103,8 +103,11 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
         forced = True
     structure = proto.capture(model, args, kwargs, save="none", capture=capture)
     by_event, grad_by_event, labels, resolved = _plan(structure, recipe, ops)
+    from torchlens.intervention.verbs import check_sites
+
+    check_sites(structure, resolved)  # helper arguments vs the sites' shapes, before the edited run
     if not by_event and not grad_by_event:
-        _zero_fire(on_zero_fire, zero_fire_code, list(recipe.rules))
+        _zero_fire(on_zero_fire, zero_fire_code, list(recipe.rules), structure)
     plan = EditPlan(by_event, labels, ops, grad_by_event)
     result = proto.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=plan)
     if check_graph and result.labels != structure.labels:

@@ -27,6 +27,8 @@ class NumpyEditOps:
 
     def norm(self, x: Any, dim: Any, keepdim: bool, p: float = 2.0) -> Any:
         x = np.asarray(x)
+        if np.isinf(p):  # the max norm (p = inf)
+            return np.max(np.abs(x), axis=dim, keepdims=keepdim and dim is not None).astype(x.dtype)
         if dim is None:
             return np.asarray(np.sum(np.abs(x) ** p) ** (1.0 / p), dtype=x.dtype)
         return (np.sum(np.abs(x) ** p, axis=dim, keepdims=keepdim) ** (1.0 / p)).astype(x.dtype)
@@ -47,6 +49,13 @@ class NumpyEditOps:
 
     def where(self, mask: Any, a: Any, b: Any) -> Any:
         return np.where(mask, a, b)
+
+    def param_stamp(self, p: Any) -> Any:
+        """A numpy array has no version counter: the stamp sees a moved buffer or a changed
+        shape/dtype/strides, not an in-place write."""
+        if not isinstance(p, np.ndarray):
+            return None
+        return (p.__array_interface__["data"][0], p.shape, str(p.dtype), p.strides)
 
     def rng_state(self, state: Any) -> Any:
         return contextlib.nullcontext()

@@ -12,7 +12,7 @@ from typing import Any
 
 from torchlens.build.events import ArgRef, fill_template
 from torchlens.errors import InterventionError
-from torchlens.intervention.edits import Edit, HookContext
+from torchlens.intervention.edits import Edit, HookContext, fire
 
 
 def _check_shape(op: Any, edit: Edit, before: Any, after: Any) -> None:
@@ -32,17 +32,20 @@ def apply_edits(trace: Any, op: Any, outs: tuple, edits: list[Edit], ops: Any, r
             if v is None or not hasattr(v, "shape"):
                 continue
             ctx = HookContext(op.label, op, trace, ops, run_state=run_state)
-            out = edit(v, ctx)
+            out = fire(edit, v, ctx)  # a user callable gets a copy: the payload may be shared with other traces
             _check_shape(op, edit, v, out)
             new[i] = out
     return tuple(new)
 
 
-def replay(trace: Any, edits: dict[str, list[Edit]]) -> tuple[dict[str, tuple], list[str]]:
+def replay(trace: Any, edits: dict[str, list[Edit]], *, allow_changed_params: bool = False,
+           report: dict | None = None) -> tuple[dict[str, tuple], list[str]]:
     """Compute the new payloads of every op in the cone of `edits` (op label -> edits).
 
     Returns (label -> new output slots, labels re-executed in order). Raises a typed error,
-    with nothing mutated, when an op of the cone cannot be re-executed.
+    with nothing mutated, when an op of the cone cannot be re-executed, or (before any op
+    runs) when an op of the cone reads a parameter that changed since capture, unless
+    `allow_changed_params`; `report["replayed_with_changed_params"]` then names them.
     """
     backend = trace._backend
     ops = backend.edit_ops()
@@ -50,6 +53,15 @@ def replay(trace: Any, edits: dict[str, list[Edit]]) -> tuple[dict[str, tuple], 
     order = sorted((trace._ops[label] for label in edits), key=lambda o: o.index)
     if not order:
         return {}, []
+    from torchlens.io.opaque import refuse_opaque
+
+    cone = _cone(trace, order[0].index, edits, ev2label)
+    refuse_opaque(trace, cone)  # before any op or edit runs
+    from torchlens.intervention.params import check_params_unchanged
+
+    used_changed = check_params_unchanged(trace, cone, allow=allow_changed_params)  # before any op or edit runs
+    if report is not None:
+        report["replayed_with_changed_params"] = used_changed
     changed: dict[str, tuple] = {}
     reexecuted: list[str] = []
     run_state: dict = {}
@@ -70,6 +82,17 @@ def replay(trace: Any, edits: dict[str, list[Edit]]) -> tuple[dict[str, tuple], 
             outs = apply_edits(trace, op, outs, mine, ops, run_state)
         changed[op.label] = outs
     return changed, reexecuted
+
+
+def _cone(trace: Any, start: int, edits: dict, ev2label: dict) -> list[Any]:
+    """The ops `replay` will re-execute (a parent changes), found without running any."""
+    hit = set(edits)
+    cone = []
+    for op in list(trace._ops.values())[start:]:
+        if any(ev2label.get(eid) in hit for eid, _ in op.parent_slots):
+            hit.add(op.label)
+            cone.append(op)
+    return cone
 
 
 def _payload(op: Any) -> tuple:

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from torchlens.errors import InterventionError
-from torchlens.intervention.edits import Edit, HookContext
+from torchlens.intervention import checks as C
+from torchlens.intervention.edits import Edit, HookContext, _both, _builtin
 
 #: Verbs that act on the coordinates c (the rest that are allowed act on values).
 COORDINATE_VERBS = frozenset({"zero_ablate", "scale", "clamp", "add_noise", "scramble_elements", "hook"})
@@ -39,12 +40,18 @@ def _host(v: Any) -> np.ndarray:
 def orthonormal_rows(basis: Any, atol: float = 0.0) -> tuple[np.ndarray, bool]:
     """Float64 orthonormal rows spanning `basis`'s rows (Gram-Schmidt in row order, signs
     kept); the flag says whether the rows had to be changed."""
-    b = np.asarray(_host(basis), dtype=np.float64)
+    try:
+        b = np.asarray(_host(basis), dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise InterventionError("subspace_basis_invalid", f"a basis is a real [k, d] matrix; this one cannot be read as "
+                                f"numbers ({type(exc).__name__})", remedy="pass basis rows, e.g. R[:k] of a learned rotation") from exc
     if b.ndim == 1:
         b = b[None, :]
     if b.ndim != 2 or b.shape[0] == 0:
         raise InterventionError("subspace_basis_invalid", f"a basis is a [k, d] matrix of rows, got shape {b.shape}",
                                 remedy="pass basis rows, e.g. R[:k] of a learned rotation")
+    if not np.all(np.isfinite(b)):
+        raise InterventionError("subspace_basis_invalid", "the basis holds NaN or Inf", remedy="pass finite basis rows")
     b = np.where(np.abs(b) <= atol, 0.0, b)
     if np.allclose(b @ b.T, np.eye(b.shape[0]), atol=1e-6):
         return b, False
@@ -90,13 +97,42 @@ class SubspaceSite:
 
 
 def units(site: Any, mask: Any) -> UnitsSite:
+    """The elements of `site` where the boolean `mask` (broadcast to the site) is True."""
+    try:
+        m = _host(mask)
+    except Exception as exc:  # not readable as an array
+        raise C.bad("units", f"the mask cannot be read as an array ({type(exc).__name__})",
+                    "pass a boolean tensor shaped like the site (or broadcastable to it)") from exc
+    if m.dtype != np.bool_:
+        raise C.bad("units", f"the mask has dtype {m.dtype}, not bool", "pass mask.bool() (True where the edit applies)")
     return UnitsSite(site, mask)
+
+
+def _width_check(who: str, d: int) -> Any:
+    def check(site: tuple) -> None:
+        if not site or site[-1] != d:
+            raise InterventionError("subspace_basis_dim_mismatch", f"{who}: the basis rows have width {d}; the site's last "
+                                    f"axis is {site[-1] if site else 'missing'} (shape {site})",
+                                    remedy="use basis rows as wide as the site's feature axis", width=d, site_shape=site)
+    return check
+
+
+def _mask_check(mask: Any) -> Any:
+    shape = tuple(np.shape(_host(mask)))
+
+    def check(site: tuple) -> None:
+        C.broadcast_into("units", "mask", shape, site, False)
+    return check
 
 
 def subspace(site: Any, basis: Any, *, origin: str | None = None, method: str | None = None, atol: float = 0.0) -> SubspaceSite:
     if isinstance(site, SubspaceSite):
         raise InterventionError("subspace_projection_composed", "a subspace of a subspace has no meaning",
                                 remedy="build one tl.subspace over the site")
+    C.real("subspace", "atol", atol, low=0.0, remedy="atol= a finite number >= 0")
+    for name, text in (("origin", origin), ("method", method)):
+        if text is not None and not isinstance(text, str):
+            raise C.bad("subspace", f"{name}= is text, not {type(text).__name__}", f"{name}='...' or None")
     orthonormal_rows(basis, atol)  # refuse a bad basis at construction
     return SubspaceSite(site, basis, origin, method, atol)
 
@@ -107,13 +143,18 @@ def set_affine_coordinates(weight: Any, *, bias: Any = None) -> Edit:
     if w.ndim != 2 or not np.issubdtype(w.dtype, np.floating) or not np.all(np.isfinite(w)):
         raise InterventionError("affine_source_invalid", "set_affine_coordinates needs a finite float [k, d] weight",
                                 remedy="pass W of shape [k, d]")
+    if bias is not None:
+        b = _host(bias)
+        if b.shape != (w.shape[0],) or not np.issubdtype(b.dtype, np.floating) or not np.all(np.isfinite(b)):
+            raise InterventionError("affine_source_invalid", f"bias must be None or a finite float [{w.shape[0]}] tensor, "
+                                    f"got shape {b.shape} ({b.dtype})", remedy="pass b of shape [k] (one per weight row)")
 
     def outside(v: Any, ctx: HookContext) -> Any:
         raise InterventionError("affine_source_needs_subspace", "a [k, d] affine map only has meaning inside a subspace",
                                 remedy="trace.do(tl.subspace(site, R.T, origin=...), tl.intervention.set_affine_coordinates(W, bias=b))")
 
-    return Edit("set_affine_coordinates", (("weight", weight), ("bias", bias)), outside,
-                tensors=tuple(t for t in (weight, bias) if t is not None))
+    return _builtin(Edit("set_affine_coordinates", (("weight", weight), ("bias", bias)), outside,
+                         tensors=tuple(t for t in (weight, bias) if t is not None)))
 
 
 def subspace_edit(sub: SubspaceSite, verb: Edit, mask: Any = None) -> Edit:
@@ -165,7 +206,10 @@ def subspace_edit_from_rows(q64: np.ndarray, verb: Edit, *, mask: Any = None, or
     if mask is not None:
         kwargs += (("mask", mask),)
     tensors = ((basis,) if basis is not None else ()) + verb.tensors
-    return Edit("subspace_edit", kwargs, fn, portability=verb.portability, signal=verb.signal, tensors=tensors)
+    check = _both(_width_check("subspace_edit", int(q64.shape[1])), None if mask is None else _mask_check(mask),
+                  verb.check if _kind(verb) == "value" else None)
+    return _builtin(Edit("subspace_edit", kwargs, fn, portability=verb.portability, signal=verb.signal, tensors=tensors,
+                         check=check), trusted=verb.trusted)
 
 
 def units_edit(mask: Any, verb: Edit) -> Edit:
@@ -175,8 +219,9 @@ def units_edit(mask: Any, verb: Edit) -> Edit:
         m = mask if hasattr(mask, "shape") and not isinstance(mask, np.ndarray) else ctx.ops.asarray(_host(mask), None)
         return ctx.ops.where(m, verb(x, ctx), x)
 
-    return Edit("units_edit", (("verb", verb.name), ("verb_kwargs", verb.kwargs), ("mask", mask)), fn,
-                portability=verb.portability, signal=verb.signal, tensors=(mask,) + verb.tensors)
+    return _builtin(Edit("units_edit", (("verb", verb.name), ("verb_kwargs", verb.kwargs), ("mask", mask)), fn,
+                         portability=verb.portability, signal=verb.signal, tensors=(mask,) + verb.tensors,
+                         check=_both(_mask_check(mask), verb.check)), trusted=verb.trusted)
 
 
 def _kind(verb: Edit) -> str:
@@ -210,12 +255,16 @@ def subspace_ablate(basis: Any, *, atol: float = 0.0) -> Edit:
         q = ctx.ops.asarray(q64, x)
         return x - (x @ q.T) @ q
 
-    return Edit("subspace_ablate", (("rows", q64),), fn, tensors=(basis,))
+    return _builtin(Edit("subspace_ablate", (("rows", q64),), fn, tensors=(basis,),
+                         check=_width_check("subspace_ablate", int(q64.shape[1]))))
 
 
 def subspace_interchange(source: Any, basis: Any, *, atol: float = 0.0) -> Edit:
     """Give the value the donor trace's component inside the span of `basis` rows, keeping
     its own orthogonal complement (the distributed-alignment interchange)."""
+    if not (hasattr(source, "ops") and hasattr(source, "find_sites")):
+        raise InterventionError("patch_source_invalid", f"subspace_interchange needs a donor trace, not {type(source).__name__}",
+                                remedy="subspace_interchange(donor_trace, basis)")
     q64, _ = orthonormal_rows(basis, atol)
 
     def fn(x: Any, ctx: HookContext) -> Any:
@@ -223,5 +272,6 @@ def subspace_interchange(source: Any, basis: Any, *, atol: float = 0.0) -> Edit:
         donor = source.ops[ctx.label].out
         return x + ((ctx.ops.asarray(donor, x) - x) @ q.T) @ q
 
-    return Edit("subspace_interchange", (("source", f"<trace {getattr(source, 'name', '?')}>"), ("rows", q64)), fn,
-                portability="session", signal="forward", tensors=(basis,))
+    return _builtin(Edit("subspace_interchange", (("source", f"<trace {getattr(source, 'name', '?')}>"), ("rows", q64)), fn,
+                         portability="session", signal="forward", tensors=(basis,),
+                         check=_width_check("subspace_interchange", int(q64.shape[1]))))

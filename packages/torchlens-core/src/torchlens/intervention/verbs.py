@@ -60,9 +60,9 @@ def _state(trace: Any) -> dict:
 def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs: Any = None, intervention: Any = None,
        input_kwargs: dict | None = None, loss: Any = None) -> Any:
     from torchlens.intervention.edits import stamp_tensors
-    from torchlens.options import InterventionOptions
+    from torchlens.options import InterventionOptions, as_intervention_options
 
-    opts = intervention or InterventionOptions()
+    opts = as_intervention_options(intervention)
     rules = normalize_plan(site, edit)
     for r in rules:
         stamp_tensors(r.edit)
@@ -89,8 +89,11 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
                     "replay_gradient_edit_unsupported", f"{r.target!r} is a gradient site; replay re-executes forward ops only",
                     remedy="Pass model= and inputs= to rerun with the edit armed, then call result.backward(loss), "
                     "or stage it with engine='set_only' and call trace.backward(loss) on this trace")
-    # resolve every site before anything changes
+    # resolve every site, and check each edit fits the sites' recorded shapes, before anything changes
+    # (a rerun checks against the shapes of its own inputs, in live_capture)
     resolved = lower_rules(trace, rules)
+    if engine != "rerun":
+        check_sites(trace, resolved)
     st = _state(trace)
     if engine == "set_only":
         _warn_root(trace, st)
@@ -120,15 +123,17 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         import contextlib
 
         with grad_on() if grad_on is not None else contextlib.nullcontext():
-            return do(target, site, edit, intervention=InterventionOptions(engine="replay", on_zero_fire=opts.on_zero_fire))
+            return do(target, site, edit, intervention=InterventionOptions(
+                engine="replay", on_zero_fire=opts.on_zero_fire, allow_changed_params=opts.allow_changed_params))
 
     plan: dict[str, list[Edit]] = {}
     for r, labels, applied, _ in resolved:
         for label in labels:
             plan.setdefault(label, []).append(applied)
     if not plan:
-        _zero_fire(opts.on_zero_fire, "trace_zero_fire", rules)
-    changed, reexecuted = replay(trace, plan)
+        _zero_fire(opts.on_zero_fire, "trace_zero_fire", rules, trace)
+    report: dict = {}
+    changed, reexecuted = replay(trace, plan, allow_changed_params=opts.allow_changed_params, report=report)
     _warn_root(trace, st)
     for label, outs in changed.items():
         op = trace._ops[label]
@@ -136,15 +141,19 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         op.saved = True
     st["recipe"] = Recipe(st["recipe"].rules + tuple(rules))
     st["last_run"] = {"engine": "replay", "origins": sorted(plan, key=lambda lb: trace._ops[lb].index),
-                      "cone": list(changed), "reexecuted": reexecuted, "num_reexecuted": len(reexecuted)}
+                      "cone": list(changed), "reexecuted": reexecuted, "num_reexecuted": len(reexecuted),
+                      "replayed_with_changed_params": report.get("replayed_with_changed_params", [])}
     _audit(st, engine, resolved)
     return trace
 
 
-def _zero_fire(policy: str, code: str, rules: list[Rule]) -> None:
-    msg = "the intervention matched no site: " + ", ".join(repr(r.target) for r in rules)
+def _zero_fire(policy: str, code: str, rules: list[Rule], trace: Any = None) -> None:
+    from torchlens.select.hints import no_match_hint  # why it matched nothing (issue 27)
+
+    hints = [h for h in (no_match_hint(trace, r.target) for r in rules) if h]
+    msg = "the intervention matched no site: " + ", ".join(repr(r.target) for r in rules) + "".join(f" ({h})" for h in hints)
     if policy == "error":
-        raise InterventionError(code, msg, remedy="check the selector against trace.labels")
+        raise InterventionError(code, msg, remedy="check the selector against trace.labels", hints=hints)
     if policy == "warn":
         warnings.warn(f"[{code}] {msg}", RuntimeWarning, stacklevel=4)
 
@@ -168,6 +177,18 @@ def lower_rules(trace: Any, rules: list[Rule]) -> list[tuple[Rule, list[str], Ed
     return out
 
 
+def check_sites(trace: Any, resolved: list) -> None:
+    """Run each edit's site check against the recorded shape of every output slot it will
+    edit (helper arguments vs the site: axes, lengths, broadcasting), before anything changes."""
+    for _rule, labels, applied, _source in resolved:
+        if applied.check is None:
+            continue
+        for label in labels:
+            for shape in trace._ops[label].shapes or ():
+                if shape is not None:
+                    applied.check_site(shape)
+
+
 def _audit(st: dict, engine: str, resolved: list) -> None:
     for r, labels, applied, source in resolved:
         st["audit"].append({
@@ -179,7 +200,8 @@ def _audit(st: dict, engine: str, resolved: list) -> None:
 
 def fork(trace: Any, name: str | None = None) -> Any:
     """A copy whose records can be edited independently; payload values are shared until
-    an edit replaces them."""
+    an edit replaces them. Edits never write into a shared value: built-in helpers build new
+    values, and a user callable is handed its own copy (`edits.fire`)."""
     new = copy.copy(trace)
     new.__dict__ = dict(trace.__dict__)
     new.name = name or f"{trace.name}-fork"

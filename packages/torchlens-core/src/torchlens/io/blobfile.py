@@ -3,14 +3,13 @@
 The layout is the safetensors one (8-byte little-endian header length, a JSON header of
 `name -> {dtype, shape, data_offsets}` plus `__metadata__`, then the raw bytes), so any
 safetensors reader opens our blobs. We write and parse it ourselves to stream the sha256
-while writing, to map files lazily, and to turn every malformed byte into a typed refusal.
+while writing, to read files into aligned buffers, and to turn every malformed byte into a typed refusal.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +60,13 @@ ALIGN = 64
 PAD_PREFIX = "__tlpad_"
 
 
-def write_blob(path: str, entries: list[tuple[str, EncodedPayload]], metadata: dict[str, str]) -> tuple[int, str]:
+def write_blob(path: str, entries: list[tuple[str, EncodedPayload]], metadata: dict[str, str],
+               digest_key: str | None = None) -> tuple[int, str]:
     """Write `entries` as one safetensors file; return (size, sha256 hex).
+
+    With `digest_key`, `__metadata__[digest_key]` holds `content_digest` of the file (every
+    other metadata entry and the data section), so a file that has no manifest (the
+    safetensors export) still detects damage on read.
 
     Every tensor starts on an `ALIGN`-byte boundary: the header is padded with spaces and the
     gaps between tensors are filled by uint8 padding entries named `__tlpad_<n>` (the format
@@ -77,7 +81,14 @@ def write_blob(path: str, entries: list[tuple[str, EncodedPayload]], metadata: d
             offset += gap
         layout.append((name, p))
         offset += p.array.nbytes
-    header: dict[str, Any] = {"__metadata__": {**metadata, "align": str(ALIGN)}}
+    meta = {**metadata, "align": str(ALIGN)}
+    if digest_key is not None:
+        h = _meta_digest(meta)
+        for _, p in layout:
+            for part in ((bytes(p),) if isinstance(p, int) else _byte_chunks(p.array)):
+                h.update(part)
+        meta[digest_key] = h.hexdigest()
+    header: dict[str, Any] = {"__metadata__": meta}
     pos = 0
     for name, p in layout:
         if isinstance(p, int):
@@ -100,6 +111,23 @@ def write_blob(path: str, entries: list[tuple[str, EncodedPayload]], metadata: d
                 f.write(part)
                 h.update(part)
     return 8 + len(head) + offset, h.hexdigest()
+
+
+def _meta_digest(meta: dict[str, str]) -> Any:
+    h = hashlib.sha256()
+    for k in sorted(meta):
+        h.update(k.encode("utf-8", "surrogatepass") + b"\0" + meta[k].encode("utf-8", "surrogatepass") + b"\0")
+    return h
+
+
+def content_digest(blob: "Blob", digest_key: str, data_start: int) -> str:
+    """The sha256 `write_blob(..., digest_key=...)` stored: metadata (less the digest entry)
+    then the data section, read from the blob's buffer."""
+    h = _meta_digest({k: v for k, v in blob.metadata.items() if k != digest_key})
+    view = memoryview(blob.buffer)
+    for i in range(data_start, len(view), _CHUNK):
+        h.update(view[i:i + _CHUNK])
+    return h.hexdigest()
 
 
 def aligned_buffer(size: int) -> np.ndarray:
@@ -171,7 +199,8 @@ def parse_header(name: str, head: bytes, size: int) -> tuple[dict, dict, int]:
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise _bad(name, f"entry {tname!r} is malformed")
         st, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if st not in _ST_ITEMSIZE or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if (type(st) is not str or st not in _ST_ITEMSIZE or not isinstance(shape, list)
+                or not all(type(d) is int and d >= 0 for d in shape)):
             raise _bad(name, f"entry {tname!r} has a bad dtype or shape")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
                 and 0 <= offs[0] <= offs[1] <= data_len):
@@ -193,28 +222,37 @@ def parse_header(name: str, head: bytes, size: int) -> tuple[dict, dict, int]:
     return entries, meta, start
 
 
-def read_blob(path: str, name: str, size: int, sha256: str | None, lazy: bool) -> Blob:
-    """Read (or map, when `lazy`) one blob after checking its size and sha256."""
-    if lazy:
-        h = hashlib.sha256()
-        total = 0
-        with open(path, "rb") as f:
-            while True:
-                chunk = f.read(_CHUNK)
-                if not chunk:
-                    break
-                h.update(chunk)
-                total += len(chunk)
-            _check_digest(name, total, size, h.hexdigest(), sha256)
-            buffer: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else bytearray()
-    else:
-        buffer = aligned_buffer(size)
-        with open(path, "rb") as f:
-            got = f.readinto(buffer)
-            extra = f.read(1)
-        _check_digest(name, got + len(extra), size, hashlib.sha256(buffer).hexdigest(), sha256)
+def read_blob(path: str, name: str, size: int, sha256: str | None, lazy: bool = False) -> Blob:
+    """Read one blob into an aligned in-memory buffer and check its size and sha256.
+
+    The digest is computed over the very bytes the returned `Blob` holds ("copy on
+    verification"), and the file is never memory-mapped: a mapping would turn a later
+    truncation of the file into SIGBUS and let bytes changed after the check through. `lazy`
+    is accepted for compatibility and changes nothing."""
+    check_size_on_disk(path, name, size)  # the declared size sizes the buffer: check it against the file first
+    buffer = aligned_buffer(size)
+    with open(path, "rb") as f:
+        got = f.readinto(buffer)
+        extra = f.read(1)
+    _check_digest(name, got + len(extra), size, hashlib.sha256(buffer).hexdigest(), sha256)
     entries, meta, _ = parse_header(name, buffer, size)
     return Blob(name, entries, meta, buffer)
+
+
+def check_size_on_disk(path: str, name: str, size: Any) -> None:
+    """Refuse a declared size that is not a non-negative int or differs from the file's real
+    size, before anything is allocated from it (a hostile manifest can declare any number)."""
+    if type(size) is not int or size < 0:
+        raise ArtifactError("manifest_malformed", f"the manifest gives {name} a size that is not a byte count",
+                            remedy="the manifest is damaged; save the artifact again", file=name)
+    try:
+        real = os.stat(path).st_size
+    except OSError as exc:
+        raise ArtifactError("artifact_read_failed", f"could not stat {name}: {exc}", remedy="check permissions",
+                            file=name) from None
+    if real != size:
+        raise ArtifactError("artifact_size_mismatch", f"{name} is {real} bytes, the manifest says {size}",
+                            remedy="the file was truncated or modified; save the artifact again", file=name)
 
 
 def _check_digest(name: str, got_size: int, size: int, digest: str, expected: str | None) -> None:
@@ -228,9 +266,9 @@ def _check_digest(name: str, got_size: int, size: int, digest: str, expected: st
 
 def payload_from_storage(blob: Blob, tensor: str, dtype: str, shape: tuple[int, ...], meta: dict[str, str]) -> EncodedPayload:
     """The `EncodedPayload` a payload record and its blob entry describe (checked to agree)."""
-    if tensor not in blob.entries:
-        raise _bad(blob.name, f"holds no tensor {tensor!r}")
-    if dtype not in STORAGE:
+    if type(tensor) is not str or tensor not in blob.entries:
+        raise _bad(blob.name, f"holds no tensor {tensor!r:.80}")
+    if type(dtype) is not str or dtype not in STORAGE:
         raise _bad(blob.name, f"unknown dtype tag {dtype!r} for {tensor!r}")
     st_expected, np_storage, real_axis = STORAGE[dtype]
     st, st_shape, _, _ = blob.entries[tensor]

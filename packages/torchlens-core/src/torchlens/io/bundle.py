@@ -7,8 +7,10 @@ Layout::
       records/<kind>.json           one typed table per record kind (io.schema.SCHEMAS)
       blobs/payloads-<n>.safetensors  payload bytes, written through the backend's codec
 
-Saving writes everything into a temporary directory beside the target and publishes it with
-one rename (replacing an old artifact only after the new one is complete). Loading checks
+Saving writes everything into a locked temporary directory beside the target, fsyncs it, and
+publishes it with one atomic rename or, over an old artifact, one atomic exchange
+(`io.publish`); `overwrite=True` replaces only a directory `io.ownership` proves is an
+intact TorchLens artifact. A save or load first repairs what a killed save left behind. Loading checks
 paths, the manifest, every file's size and digest, every record cell and every
 cross-reference before it builds the Trace: a refusal is a typed `ArtifactError`, and a
 trace is never returned half-loaded.
@@ -16,18 +18,20 @@ trace is never returned half-loaded.
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
-import secrets
-import shutil
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from torchlens.errors import ArtifactError, TorchLensError
-from torchlens.io import blobfile
+from torchlens.io import blobfile, ownership, publish
 from torchlens.io.codec import EncodedPayload, backend_codec, codec_named
-from torchlens.io.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, check_manifest, malformed, parse_json, render
+from torchlens.io.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, check_manifest, malformed, parse_json,
+                                   read_bounded, render)
 from torchlens.io.schema import RECORD_KINDS, SCHEMA_DIGEST, SCHEMAS, Decoder, Encoder, check_table, site_key
 
 LEVELS = ("full",)
@@ -44,7 +48,7 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
     if not isinstance(overwrite, bool):
         raise _arg("overwrite= takes True or False")
     target = _as_path(path)
-    _check_save_target(target, overwrite)
+    proof = _check_save_target(target, overwrite)
     codec = backend_codec(trace._backend) if trace._backend is not None else backend_codec(None)
     enc = Encoder(codec)
     tables = encode_tables(trace, enc)
@@ -62,19 +66,16 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
                         "callable_placeholders": enc.callables, "output_not_stored": True},
         "files": {},
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{secrets.token_hex(6)}"
+    st = _begin(target)
+    tmp = st.path
     try:
-        (tmp / "records").mkdir(parents=True)
+        (tmp / "records").mkdir()
         (tmp / "blobs").mkdir()
         files: dict[str, dict[str, Any]] = {}
         for kind in RECORD_KINDS:
-            import hashlib
-            import json
-
             data = json.dumps(tables[kind], separators=(",", ":"), allow_nan=False).encode("ascii")
             name = f"records/{kind}.json"
-            (tmp / name).write_bytes(data)
+            publish.write_file(tmp / name, data, sync=False)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
         def write(item: tuple[str, list[tuple[str, EncodedPayload]]]) -> tuple[str, int, str]:
@@ -92,14 +93,13 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
             for name, size, digest in progress(written, total=len(shards), desc="save", enabled=show):
                 files[name] = {"sha256": digest, "size": size}
         manifest["files"] = dict(sorted(files.items()))
-        (tmp / MANIFEST_NAME).write_bytes(render(manifest))
-        _publish(tmp, target, overwrite)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ArtifactError("artifact_write_failed", f"could not write {target}: {exc}",
-                            remedy="check the directory is writable and has space", path=str(target)) from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        publish.write_file(tmp / MANIFEST_NAME, render(manifest), sync=False)
+        publish.fsync_stage(tmp)
+        _finish(st, target, proof)
+    except BaseException as exc:
+        st.discard()
+        if isinstance(exc, OSError):
+            raise write_failed(target, exc) from exc
         raise
     return target
 
@@ -123,34 +123,53 @@ def _torchlens_version() -> str:
     return getattr(torchlens, "__version__", "0")
 
 
-def _check_save_target(target: Path, overwrite: bool) -> None:
+def _check_save_target(target: Path, overwrite: bool) -> Any:
+    """Refuse a save path before anything is written; return the fingerprint of the artifact
+    `overwrite=True` may replace (None for a new path). Stale siblings a killed save of this
+    path left are repaired or removed first (`publish.tidy`)."""
     if target.is_symlink():
         raise ArtifactError("save_path_symlink_rejected", f"{target} is a symlink",
                             remedy="save to the real path (a symlinked parent directory is fine)", path=str(target))
+    if target.parent.is_dir():
+        publish.tidy(target, prove=ownership.prove_artifact)
     if not os.path.lexists(target):
-        return
+        return None
     if not overwrite:
         raise ArtifactError("bundle_path_exists", f"{target} already exists",
                             remedy="pass overwrite=True to replace it, or choose another path", path=str(target))
-    from torchlens.io.detect import detect_tlspec_format
-
-    if not target.is_dir() or detect_tlspec_format(target) == "unknown":
-        raise ArtifactError("bundle_path_not_artifact", f"{target} exists and is not a TorchLens artifact; refusing to replace it",
-                            remedy="choose another path or remove it yourself", path=str(target))
+    return ownership.prove_artifact(target)
 
 
-def _publish(tmp: Path, target: Path, overwrite: bool) -> None:
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-        return
-    old = target.parent / f".{target.name}.old-{secrets.token_hex(6)}"
-    os.rename(target, old)
+def write_failed(target: Path, exc: OSError) -> ArtifactError:
+    """The typed form of a write the file system refused (ENOSPC, EFBIG, EACCES, EROFS, EIO...)."""
+    name = errno.errorcode.get(exc.errno or 0, "") if exc.errno else ""
+    return ArtifactError("artifact_write_failed", f"could not write {target}: {exc}",
+                         remedy="check the directory is writable and has space, then save again",
+                         path=str(target), errno=name or None)
+
+
+def _begin(target: Path, directory: bool = True) -> publish.Stage:
+    """Create the locked stage beside `target` (its parent directories too)."""
     try:
-        os.rename(tmp, target)
-    except OSError:
-        os.rename(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return publish.stage(target, directory=directory)
+    except OSError as exc:
+        raise write_failed(target, exc) from exc
+
+
+def _finish(st: publish.Stage, target: Path, proof: Any) -> None:
+    """Publish the written stage: a plain rename for a new path, an atomic swap over the
+    proven old artifact (re-checked first) for an overwrite."""
+    recheck = None if proof is None else ownership.rechecker(target, proof)
+    try:
+        publish.publish(st, recheck)
+    except publish.PublishUnconfirmed as exc:
+        raise ArtifactError("artifact_publish_unconfirmed", f"{target} was published, but flushing its directory "
+                            f"failed: {exc.os_error}", remedy="check the disk; save again to be sure it is durable",
+                            path=str(target)) from exc.os_error
+    except FileExistsError as exc:
+        raise ArtifactError("bundle_path_exists", f"{target} appeared while the artifact was being written",
+                            remedy="pass overwrite=True to replace it, or choose another path", path=str(target)) from exc
 
 
 def _shard(payloads: dict[str, EncodedPayload]) -> dict[str, list[tuple[str, EncodedPayload]]]:
@@ -212,8 +231,12 @@ def encode_tables(trace: Any, enc: Encoder) -> dict[str, dict[str, Any]]:
 def load(path: Any, lazy: bool = False) -> Any:
     """Load a `.tlspec` directory written by `Trace.save`, checking all of it first.
 
-    `lazy=True` maps the payload blobs (copy-on-write) instead of reading them into memory:
-    pages are read when a payload is first touched. Digests are checked up front either way.
+    Every payload byte the trace holds was read into memory once and verified against the
+    manifest's sha256 before `load` returns, so changing, truncating or deleting the files
+    afterwards cannot reach the trace. Files are never memory-mapped: a mapping of a file
+    another process truncates kills the reader with SIGBUS, and mapped pages read after the
+    check would be unverified. `lazy=True` is accepted for compatibility and loads the same
+    way (see docs/guides/saving.md, "Lazy loading").
     """
     if not isinstance(lazy, bool):
         raise _arg("lazy= takes True or False")
@@ -227,7 +250,16 @@ def validate(path: Any) -> dict[str, Any]:
     return read_manifest(bundle)
 
 
+def repair(path: Any) -> None:
+    """Before reading `path`: restore the artifact a save killed mid-publish left only as a
+    `.old-*` copy, and remove stale temporary siblings (`publish.tidy`)."""
+    bundle = _as_path(path)
+    if bundle.parent.is_dir() and not bundle.is_symlink():
+        publish.tidy(bundle, prove=ownership.prove_artifact)
+
+
 def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
+    repair(bundle)
     manifest = read_manifest(bundle)
     files = manifest["files"]
     _check_layout(bundle, files)
@@ -237,16 +269,9 @@ def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
         data = _read_checked(bundle, name, files[name])
         tables[kind] = check_table(kind, parse_json(data, name, "record_file_malformed"), name)
     payload_rows = _payload_rows(tables["payloads"], files)
-    blobs = _read_blobs(bundle, files, lazy)
-    encoded = {}
-    for key, (blob, tensor, dtype, shape, meta) in payload_rows.items():
-        encoded[key] = blobfile.payload_from_storage(blobs[blob], tensor, dtype, shape, meta)
-    used = {(r[0], r[1]) for r in payload_rows.values()}
-    for bname, blob in blobs.items():
-        if any((bname, t) not in used for t in blob.entries if not t.startswith(blobfile.PAD_PREFIX)):
-            raise ArtifactError("blob_malformed", f"{bname} holds tensors no payload record names",
-                                remedy="the artifact was modified; save the trace again", blob=bname)
-    codec = codec_named(manifest["codec"], manifest["backend"]["name"]) if encoded and decode else None
+    # validate resolves the codec and decodes (then drops) each payload too: it refuses what load refuses
+    codec = codec_named(manifest["codec"], manifest["backend"]["name"]) if payload_rows else None
+    encoded = _read_payloads(bundle, files, payload_rows, keep=decode, codec=codec, codec_name=manifest["codec"])
     decoded: dict[str, Any] = {}
     referenced: set[str] = set()
 
@@ -255,21 +280,14 @@ def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
             raise ArtifactError("record_reference_invalid", f"{where} names payload {key!r}, which no payload record holds",
                                 remedy="the records are damaged; save the trace again", at=where)
         referenced.add(key)
-        if codec is None:
-            return None
+        if not decode:
+            return _CHECKED  # decoded and dropped while reading; not None, so record checks match load's
         if key not in decoded:
-            try:
-                decoded[key] = codec.decode(encoded[key])  # type: ignore[union-attr]
-            except TorchLensError:
-                raise
-            except Exception as exc:
-                raise ArtifactError("blob_malformed", f"the {manifest['codec']} codec could not decode payload {key} "
-                                    f"({type(exc).__name__}: {exc})", remedy="the artifact is damaged; save it again",
-                                    payload=key) from exc
+            decoded[key] = _decode(codec, encoded[key], key)
         return decoded[key]
 
     literal_codec = codec
-    if literal_codec is None and decode:
+    if literal_codec is None:
         try:
             literal_codec = codec_named(manifest["codec"], manifest["backend"]["name"])
         except TorchLensError:
@@ -307,11 +325,10 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
         raise ArtifactError("manifest_missing", f"{bundle} has no manifest.json",
                             remedy="pass the .tlspec directory Trace.save wrote", path=str(bundle))
     try:
-        with open(mpath, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+        data = read_bounded(mpath, MAX_MANIFEST_BYTES)  # allocates what the file holds, not the bound
     except OSError as exc:
         raise ArtifactError("artifact_read_failed", f"could not read {mpath}: {exc}", remedy="check permissions") from exc
-    if len(data) > MAX_MANIFEST_BYTES:
+    if data is None:
         raise malformed("is larger than any manifest torchlens writes")
     manifest = check_manifest(parse_json(data, MANIFEST_NAME, "manifest_malformed"))
     if manifest["kind"] != "trace":
@@ -412,19 +429,61 @@ def _payload_rows(rows: list[list[Any]], files: dict[str, Any]) -> dict[str, tup
     return out
 
 
-def _read_blobs(bundle: Path, files: dict[str, Any], lazy: bool) -> dict[str, blobfile.Blob]:
+_CHECKED = object()  # what validate's decoder gets for a payload it checked and dropped
+
+
+def _decode(codec: Any, p: EncodedPayload, key: str) -> Any:
+    """Decode one payload; a codec's own failure on the file's bytes is a typed refusal."""
+    try:
+        return codec.decode(p)
+    except TorchLensError:
+        raise
+    except Exception as exc:
+        raise ArtifactError("blob_malformed", f"the {codec.name} codec could not decode payload {key} "
+                            f"({type(exc).__name__}: {str(exc)[:200]})", remedy="the artifact is damaged; save it again",
+                            payload=key) from exc
+
+
+def _read_payloads(bundle: Path, files: dict[str, Any], rows: dict[str, tuple], keep: bool, codec: Any = None,
+                   codec_name: str = "") -> dict[str, Any]:
+    """Read and verify every blob, check it against its payload records, and return the
+    payloads (`keep=False`, for validate: each blob is dropped once checked, so memory stays
+    at a few shards whatever the artifact's size)."""
+    by_blob: dict[str, list[str]] = {}
+    for key, row in rows.items():
+        by_blob.setdefault(row[0], []).append(key)
     names = [n for n in files if n.startswith("blobs/")]
 
-    def read(name: str) -> blobfile.Blob:
+    def read(name: str) -> dict[str, Any]:
         try:
-            return blobfile.read_blob(str(bundle / name), name, files[name]["size"], files[name]["sha256"], lazy)
+            blob = blobfile.read_blob(str(bundle / name), name, files[name]["size"], files[name]["sha256"], False)
         except OSError as exc:
             raise ArtifactError("artifact_read_failed", f"could not read {name}: {exc}", remedy="check permissions") from exc
+        if blob.metadata.get("format") != "tlspec-blob" or blob.metadata.get("codec") != codec_name:
+            raise ArtifactError("blob_malformed", f"{name} names codec {blob.metadata.get('codec')!r:.40}, the manifest "
+                                f"{codec_name[:40]!r}", remedy="the artifact was modified; save the trace again", blob=name)
+        out: dict[str, Any] = {}
+        for key in by_blob.get(name, ()):
+            _, tensor, dtype, shape, meta = rows[key]
+            payload = blobfile.payload_from_storage(blob, tensor, dtype, shape, meta)
+            if not keep:
+                _decode(codec, payload, key)  # validate: the codec's refusals, nothing kept
+            out[key] = payload if keep else None
+        used = {rows[k][1] for k in by_blob.get(name, ())}
+        if any(t not in used for t in blob.entries if not t.startswith(blobfile.PAD_PREFIX)):
+            raise ArtifactError("blob_malformed", f"{name} holds tensors no payload record names",
+                                remedy="the artifact was modified; save the trace again", blob=name)
+        return out
 
+    encoded: dict[str, Any] = {}
     if len(names) <= 1:
-        return {n: read(n) for n in names}
+        for n in names:
+            encoded.update(read(n))
+        return encoded
     with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1, 8))) as pool:
-        return dict(zip(names, pool.map(read, names)))
+        for part in pool.map(read, names):
+            encoded.update(part)
+    return encoded
 
 
 def _check_disclosures(manifest: dict[str, Any], tables: dict[str, list], dec: Decoder) -> None:

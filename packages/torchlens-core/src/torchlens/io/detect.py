@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from torchlens.errors import ArtifactError
-from torchlens.io.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, looks_pre_3
+from torchlens.io.manifest import FORMAT, FORMAT_VERSION, MANIFEST_NAME, looks_pre_3, read_bounded
 
 _MAX_MARKER_BYTES = 64 * 1024 * 1024
 _PRE_3_MARKERS = ("spec.json", "metadata.json", "merged_manifest.json")
@@ -49,9 +49,8 @@ def _read_marker(p: Path) -> Any:
     if not p.is_file():
         return None
     try:
-        with open(p, "rb") as f:
-            data = f.read(_MAX_MARKER_BYTES + 1)
-        if len(data) > _MAX_MARKER_BYTES:
+        data = read_bounded(p, _MAX_MARKER_BYTES)
+        if data is None:
             return None
         return json.loads(data.decode("utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):

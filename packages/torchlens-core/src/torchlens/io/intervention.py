@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
-import shutil
+import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from torchlens.errors import ArtifactError, InterventionError
+from torchlens.errors import ArtifactError, InterventionError, TorchLensError
 from torchlens.io import blobfile
 from torchlens.io.codec import NumpyCodec, backend_codec, codec_named
 
@@ -26,6 +27,11 @@ FORMAT, FORMAT_VERSION = "tlspec", 3
 SCHEMA = "tl.intervention/1"
 LEVELS = ("portable", "audit")
 _KEYS = {"format", "format_version", "kind", "level", "torchlens_version", "backend", "files", "rules"}
+_MAX_DEPTH = 64
+#: The only file names a spec holds (anything else, `/etc/passwd` or `../x` included, refuses).
+_FILE_RE = re.compile(r"^(intervention\.json|blobs/recipe-0000\.safetensors)$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
 # selectors ----------------------------------------------------------------------------------
@@ -57,10 +63,21 @@ def _enc_selector(sel: Any) -> Any:
                             remedy="use label, func, module or in_module selectors, or save at level='audit'")
 
 
-def _dec_selector(obj: Any, where: str) -> Any:
+def _dec_selector(obj: Any, where: str, depth: int = 0) -> Any:
+    try:
+        return _dec_selector_inner(obj, where, depth)
+    except TorchLensError:
+        raise
+    except Exception as exc:  # a selector constructor refusing text from the file: typed, never raw
+        raise _malformed(f"{where}: selector does not rebuild ({type(exc).__name__})") from None
+
+
+def _dec_selector_inner(obj: Any, where: str, depth: int) -> Any:
     import torchlens as tl
     from torchlens.select import selectors as S
 
+    if depth > _MAX_DEPTH:
+        raise _malformed(f"{where}: selectors nest deeper than {_MAX_DEPTH} levels")
     if not isinstance(obj, dict) or len(obj) != 1:
         raise _malformed(f"{where}: a selector is a one-key object")
     (kind, body), = obj.items()
@@ -73,14 +90,14 @@ def _dec_selector(obj: Any, where: str) -> Any:
     if kind == "all_sites" and body is True:
         return tl.all_sites()
     if kind in ("and", "or", "sub") and isinstance(body, list) and len(body) == 2:
-        a, b = (_dec_selector(x, where + "." + kind) for x in body)
+        a, b = (_dec_selector(x, where + "." + kind, depth + 1) for x in body)
         a, b = (S.as_selector(a), S.as_selector(b))
         return {"and": a & b, "or": a | b, "sub": a - b}[kind]
     if kind == "not":
-        return ~S.as_selector(_dec_selector(body, where + ".not"))
+        return ~S.as_selector(_dec_selector(body, where + ".not", depth + 1))
     if kind == "grad":
-        return tl.grad(_dec_selector(body, where + ".grad"))
-    raise _malformed(f"{where}: unknown selector {kind!r}")
+        return tl.grad(_dec_selector(body, where + ".grad", depth + 1))
+    raise _malformed(f"{where}: unknown selector {kind!r:.80}")
 
 
 # values ---------------------------------------------------------------------------------------
@@ -122,16 +139,18 @@ class _Reader:
     def __init__(self, tensors: dict[str, Any]) -> None:
         self.tensors = tensors
 
-    def value(self, x: Any, where: str) -> Any:
+    def value(self, x: Any, where: str, depth: int = 0) -> Any:
+        if depth > _MAX_DEPTH:
+            raise _malformed(f"{where}: a value nests deeper than {_MAX_DEPTH} levels")
         if x is None or type(x) in (bool, int, float, str):
             return x
         if type(x) is list:
-            return [self.value(v, where) for v in x]
+            return [self.value(v, where, depth + 1) for v in x]
         if type(x) is dict and set(x) == {"$tuple"} and isinstance(x["$tuple"], list):
-            return tuple(self.value(v, where) for v in x["$tuple"])
+            return tuple(self.value(v, where, depth + 1) for v in x["$tuple"])
         if type(x) is dict and set(x) == {"$float"} and x["$float"] in ("inf", "-inf", "nan"):
             return float(x["$float"])
-        if type(x) is dict and set(x) == {"$tensor"} and x["$tensor"] in self.tensors:
+        if type(x) is dict and set(x) == {"$tensor"} and type(x["$tensor"]) is str and x["$tensor"] in self.tensors:
             return self.tensors[x["$tensor"]]
         raise _malformed(f"{where}: unreadable value")
 
@@ -163,7 +182,7 @@ class InterventionSpec:
     hook_specs: tuple[HookSpec, ...]
 
 
-def _rebuild_edit(name: str, kw: dict[str, Any], where: str) -> Any:
+def _rebuild_edit(name: str, kw: dict[str, Any], where: str, depth: int = 0) -> Any:
     import torchlens as tl
     from torchlens.intervention.subspace import subspace_edit_from_rows, units_edit
 
@@ -176,13 +195,16 @@ def _rebuild_edit(name: str, kw: dict[str, Any], where: str) -> Any:
         if name in simple:
             return simple[name](**kw)
         if name == "subspace_ablate":
-            return tl.intervention.subspace_ablate(np.asarray(kw["rows"], dtype=np.float64))
+            return tl.intervention.subspace_ablate(_basis_rows(kw["rows"], where))
         if name in ("subspace_edit", "units_edit"):
-            verb = _rebuild_edit(kw["verb"], dict(kw["verb_kwargs"]), where + ".verb")
+            if depth >= 2 or not isinstance(kw["verb"], str) or not isinstance(kw["verb_kwargs"], tuple):
+                raise _malformed(f"{where}: the inner verb is not a built-in helper with its arguments")
+            verb_kw = dict(kw["verb_kwargs"])
+            verb = _rebuild_edit(kw["verb"], verb_kw, where + ".verb", depth + 1)
             if name == "units_edit":
                 return units_edit(kw["mask"], verb)
-            rows = np.asarray(kw["rows"], dtype=np.float64)
-            if rows.ndim != 2 or not np.all(np.isfinite(rows)):
+            rows = _basis_rows(kw["rows"], where)
+            if not np.all(np.isfinite(rows)):
                 raise ArtifactError("subspace_spec_invalid", f"{where}: stored basis rows are malformed",
                                     remedy="save the spec again")
             if hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest() != kw["rows_sha256"]:
@@ -193,11 +215,40 @@ def _rebuild_edit(name: str, kw: dict[str, Any], where: str) -> Any:
                                     remedy="save the spec again from its source")
             return subspace_edit_from_rows(rows, verb, mask=kw.get("mask"), origin=kw.get("origin"),
                                                method=kw.get("method"), orthonormalised=bool(kw.get("orthonormalised")))
-    except ArtifactError:
+    except TorchLensError:
         raise
-    except (TypeError, KeyError, ValueError) as exc:
-        raise _malformed(f"{where}: helper {name!r} arguments do not rebuild it ({exc})") from exc
-    raise ArtifactError("recipe_record_malformed", f"{where}: unknown helper {name!r}", remedy="save the spec again")
+    except Exception as exc:  # a helper refusing arguments read from the file: typed, cause chained
+        raise _malformed(f"{where}: helper {name!r:.80} arguments do not rebuild it ({type(exc).__name__}: "
+                         f"{str(exc)[:200]})") from exc
+    raise ArtifactError("recipe_record_malformed", f"{where}: unknown helper {name!r:.80}", remedy="save the spec again")
+
+
+def _basis_rows(value: Any, where: str) -> np.ndarray:
+    """Saved basis rows as a float64 [k, d] array with k <= d, checked before any product of
+    them is formed: more rows than columns cannot be orthonormal, and `rows @ rows.T` of k
+    one-wide rows would allocate k*k floats from a file holding k."""
+    if isinstance(value, list):
+        if not all(isinstance(r, list) for r in value):
+            raise ArtifactError("subspace_spec_invalid", f"{where}: stored basis rows are not a [k, d] matrix",
+                                remedy="save the spec again")
+        width = len(value[0]) if value else 0
+        if len(value) > max(width, 1) or not all(len(r) == width for r in value):
+            raise ArtifactError("subspace_spec_basis_not_orthonormal" if all(len(r) == width for r in value)
+                                else "subspace_spec_invalid", f"{where}: {len(value)} stored rows of width {width} "
+                                "cannot be an orthonormal basis", remedy="save the spec again from its source")
+    shape = np.shape(value)
+    if len(shape) != 2:
+        raise ArtifactError("subspace_spec_invalid", f"{where}: stored basis rows are not a [k, d] matrix",
+                            remedy="save the spec again")
+    if shape[0] > shape[1]:
+        raise ArtifactError("subspace_spec_basis_not_orthonormal",
+                            f"{where}: {shape[0]} stored rows of width {shape[1]} cannot be orthonormal",
+                            remedy="save the spec again from its source")
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ArtifactError("subspace_spec_invalid", f"{where}: stored basis rows are not numbers",
+                            remedy="save the spec again") from None
 
 
 def _placeholder_edit(name: str, qualname: str) -> Any:
@@ -222,7 +273,8 @@ def _rules_of(obj: Any) -> tuple[list[Any], Any]:
 def save_intervention(obj: Any, path: Any, *, level: str = "portable", overwrite: bool = False, kind: str | None = None) -> Path:
     """Write a trace's staged recipe (kind "intervention") or a Recipe (kind "recipe")."""
     from torchlens.intervention.subspace import lower
-    from torchlens.io.bundle import _as_path, _check_save_target, _publish, _torchlens_version
+    from torchlens.io import publish
+    from torchlens.io.bundle import _as_path, _begin, _check_save_target, _finish, _torchlens_version, write_failed
 
     if level not in LEVELS:
         raise ArtifactError("artifact_save_level_unsupported", f"level={level!r} is not one of {LEVELS}",
@@ -250,14 +302,15 @@ def save_intervention(obj: Any, path: Any, *, level: str = "portable", overwrite
         out_rules.append({"target": _enc_selector(site), "edit": {"name": edit.name, "portability": "builtin",
                                                                   "kwargs": kwargs}})
     target = _as_path(path)
-    _check_save_target(target, overwrite)
-    tmp = target.parent / f".{target.name}.tmp-{secrets.token_hex(6)}"
+    proof = _check_save_target(target, overwrite)
+    st = _begin(target)
+    tmp = st.path
     try:
-        (tmp / "blobs").mkdir(parents=True)
+        (tmp / "blobs").mkdir()
         files: dict[str, dict[str, Any]] = {}
         body = json.dumps({"schema": SCHEMA, "rules": out_rules, "tensors": w.table}, separators=(",", ":"),
                           allow_nan=False).encode()
-        (tmp / "intervention.json").write_bytes(body)
+        publish.write_file(tmp / "intervention.json", body, sync=False)
         files["intervention.json"] = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
         if w.entries:
             name = "blobs/recipe-0000.safetensors"
@@ -266,84 +319,182 @@ def save_intervention(obj: Any, path: Any, *, level: str = "portable", overwrite
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "level": level,
                     "torchlens_version": _torchlens_version(),
                     "backend": None if backend is None else backend.name, "rules": len(out_rules), "files": files}
-        (tmp / "manifest.json").write_bytes(json.dumps(manifest, indent=1).encode())
-        _publish(tmp, target, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        publish.write_file(tmp / "manifest.json", json.dumps(manifest, indent=1).encode(), sync=False)
+        publish.fsync_stage(tmp)
+        _finish(st, target, proof)
+    except BaseException as exc:
+        st.discard()
+        if isinstance(exc, OSError):
+            raise write_failed(target, exc) from exc
         raise
     return target
 
 
+def _bad_manifest(why: str) -> ArtifactError:
+    return ArtifactError("manifest_malformed", f"manifest.json {why}", remedy="the spec's manifest is damaged; save it again",
+                         why=why)
+
+
 def read_intervention_manifest(bundle: Path) -> dict[str, Any]:
+    """The checked manifest of a spec directory: read with a size bound, parsed strictly (no
+    duplicate keys, bounded nesting), every key and type checked, and every listed file name
+    confined to the spec layout (`intervention.json`, `blobs/recipe-0000.safetensors`)."""
+    from torchlens.io.manifest import MAX_MANIFEST_BYTES, parse_json, read_bounded
+
     if bundle.is_symlink():
         raise ArtifactError("load_path_symlink_rejected", f"{bundle} is a symlink", remedy="load the real path", path=str(bundle))
+    if not bundle.is_dir():
+        raise ArtifactError("artifact_not_found", f"{bundle} is not a directory", remedy="pass a saved spec directory",
+                            path=str(bundle))
     mpath = bundle / "manifest.json"
-    if not mpath.is_file() or mpath.is_symlink():
+    if mpath.is_symlink():
+        raise ArtifactError("load_path_symlink_rejected", f"{mpath} is a symlink", remedy="artifacts hold no symlinks",
+                            path=str(mpath))
+    if not mpath.is_file():
         raise ArtifactError("manifest_missing", f"{bundle} has no manifest.json", remedy="pass a saved spec directory")
     try:
-        m = json.loads(mpath.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ArtifactError("manifest_malformed", f"manifest.json is not JSON ({exc})", remedy="save the spec again") from None
+        data = read_bounded(mpath, MAX_MANIFEST_BYTES)
+    except OSError as exc:
+        raise ArtifactError("artifact_read_failed", f"could not read {mpath}: {exc}", remedy="check permissions") from None
+    if data is None:
+        raise _bad_manifest("is larger than any manifest torchlens writes")
+    m = parse_json(data, "manifest.json", "manifest_malformed")
     if not isinstance(m, dict) or set(m) != _KEYS or m.get("format") != FORMAT or m.get("kind") not in ("intervention", "recipe"):
-        raise ArtifactError("manifest_malformed", "manifest.json is not an intervention or recipe manifest",
-                            remedy="save the spec again")
-    if m["format_version"] != FORMAT_VERSION:
-        raise ArtifactError("manifest_version_unsupported", f"format version {m['format_version']!r}", remedy="save it again")
+        raise _bad_manifest("is not an intervention or recipe manifest")
+    if type(m["format_version"]) is not int or m["format_version"] != FORMAT_VERSION:
+        raise ArtifactError("manifest_version_unsupported", f"format version {m['format_version']!r:.40}",
+                            remedy="load it with the torchlens version that wrote it", found=repr(m["format_version"])[:40])
+    if m["level"] not in LEVELS:
+        raise ArtifactError("artifact_save_level_unsupported", f"level {m['level']!r:.40} is not a spec level",
+                            remedy=f"specs are saved at {LEVELS}", level=repr(m["level"])[:40])
+    if type(m["torchlens_version"]) is not str or not (m["backend"] is None or type(m["backend"]) is str):
+        raise _bad_manifest("torchlens_version or backend is not a string")
+    if type(m["rules"]) is not int or m["rules"] < 0:
+        raise _bad_manifest("rules is not a count")
+    files = m["files"]
+    if not isinstance(files, dict) or "intervention.json" not in files:
+        raise _bad_manifest("lists no intervention.json")
+    for name, entry in files.items():
+        if not _FILE_RE.match(name):
+            raise _bad_manifest(f"lists a file outside the spec layout: {name[:80]!r}")
+        if not (isinstance(entry, dict) and set(entry) == {"sha256", "size"} and type(entry["sha256"]) is str
+                and _SHA_RE.match(entry["sha256"]) and type(entry["size"]) is int and entry["size"] >= 0):
+            raise _bad_manifest(f"entry for {name} is malformed")
     return m
 
 
+def _check_spec_layout(bundle: Path, files: dict[str, Any]) -> None:
+    """Exactly the listed files, each a regular file of its listed size (lstat, no reads)."""
+    allowed_dirs = {"blobs"}
+    for entry in os.scandir(bundle):
+        if entry.name == "manifest.json" or entry.name in files:
+            continue
+        if entry.name in allowed_dirs and entry.is_dir(follow_symlinks=False):
+            for sub in os.scandir(entry.path):
+                if f"{entry.name}/{sub.name}" not in files:
+                    code = "load_path_symlink_rejected" if sub.is_symlink() else "artifact_file_unlisted"
+                    raise ArtifactError(code, f"{entry.name}/{sub.name} is not listed in the manifest",
+                                        remedy="artifacts hold only the files their manifest lists")
+            continue
+        code = "load_path_symlink_rejected" if entry.is_symlink() else "artifact_file_unlisted"
+        raise ArtifactError(code, f"{entry.name} is not listed in the manifest",
+                            remedy="artifacts hold only the files their manifest lists")
+    for name, entry in files.items():
+        p = bundle / name
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            raise ArtifactError("artifact_file_missing", f"{name} is missing", remedy="save the spec again", file=name) from None
+        except OSError as exc:
+            raise ArtifactError("artifact_read_failed", f"could not stat {name}: {exc}", remedy="check permissions") from None
+        if stat.S_ISLNK(st.st_mode) or (bundle / "blobs").is_symlink():
+            raise ArtifactError("load_path_symlink_rejected", f"{name} is a symlink", remedy="artifacts hold no symlinks")
+        if not stat.S_ISREG(st.st_mode):
+            raise ArtifactError("artifact_file_missing", f"{name} is not a regular file", remedy="save the spec again",
+                                file=name)
+        if st.st_size != entry["size"]:
+            raise ArtifactError("artifact_size_mismatch", f"{name} is {st.st_size} bytes, the manifest says {entry['size']}",
+                                remedy="the file was truncated or modified; save the spec again", file=name)
+
+
+def _read_body(bundle: Path, entry: dict[str, Any]) -> Any:
+    from torchlens.io.manifest import parse_json
+
+    if entry["size"] > _MAX_BODY_BYTES:
+        raise _bad_manifest("gives intervention.json an implausible size")
+    try:
+        with open(bundle / "intervention.json", "rb") as f:
+            body = f.read(entry["size"] + 1)
+    except OSError as exc:
+        raise ArtifactError("artifact_read_failed", f"could not read intervention.json: {exc}", remedy="check permissions") from None
+    if len(body) != entry["size"] or hashlib.sha256(body).hexdigest() != entry["sha256"]:
+        raise ArtifactError("artifact_digest_mismatch", "intervention.json differs from the manifest",
+                            remedy="the spec was modified; save it again", file="intervention.json")
+    return parse_json(body, "intervention.json", "recipe_record_malformed")
+
+
+def _load_tensors(bundle: Path, m: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
+    files = m["files"]
+    blob_name = "blobs/recipe-0000.safetensors"
+    if not table:
+        if blob_name in files:
+            raise ArtifactError("artifact_file_unlisted", f"{blob_name} is listed but the spec holds no tensors",
+                                remedy="save the spec again", file=blob_name)
+        return {}
+    if blob_name not in files:
+        raise ArtifactError("artifact_file_missing", f"{blob_name} is not listed", remedy="save the spec again")
+    for tname, info in table.items():
+        if not (isinstance(info, dict) and set(info) == {"codec", "dtype", "shape", "meta"} and type(info["codec"]) is str
+                and type(info["dtype"]) is str and isinstance(info["shape"], list)
+                and all(type(d) is int and d >= 0 for d in info["shape"]) and isinstance(info["meta"], dict)
+                and all(type(v) is str for v in info["meta"].values())):
+            raise ArtifactError("recipe_record_malformed", f"tensor table entry {tname[:80]!r} is malformed",
+                                remedy="save the spec again")
+    b = files[blob_name]
+    try:
+        blob = blobfile.read_blob(str(bundle / blob_name), blob_name, b["size"], b["sha256"], False)
+    except OSError as exc:
+        raise ArtifactError("artifact_read_failed", f"could not read {blob_name}: {exc}", remedy="check permissions") from None
+    if blob.metadata.get("format") != "tlspec-blob" or blob.metadata.get("codec") != "mixed":
+        raise ArtifactError("blob_malformed", f"{blob_name} is not a spec blob", remedy="save the spec again", blob=blob_name)
+    if {t for t in blob.entries if not t.startswith(blobfile.PAD_PREFIX)} != set(table):
+        raise ArtifactError("record_reference_invalid", "the blob's tensors differ from the tensor table",
+                            remedy="save the spec again")
+    tensors: dict[str, Any] = {}
+    for tname, info in table.items():
+        payload = blobfile.payload_from_storage(blob, tname, info["dtype"], tuple(info["shape"]), info["meta"])
+        codec = codec_named(info["codec"], m["backend"] or "")
+        try:
+            tensors[tname] = codec.decode(payload)
+        except TorchLensError:
+            raise
+        except Exception as exc:  # the codec's own failure on bytes from the file: typed, cause chained
+            raise ArtifactError("blob_malformed", f"the {info['codec'][:40]} codec could not decode tensor {tname[:80]} "
+                                f"({type(exc).__name__}: {str(exc)[:200]})", remedy="save the spec again",
+                                blob=blob_name) from exc
+    return tensors
+
+
 def load_intervention_spec(path: Any) -> InterventionSpec:
-    """Load a saved intervention or recipe spec after checking every file's digest."""
+    """Load a saved intervention or recipe spec. The manifest is checked strictly, every file
+    is checked against it (size before anything is read, sha256 before anything is decoded),
+    and every refusal is a typed `ArtifactError`. Memory stays proportional to the files."""
     from torchlens.intervention.recipe import Recipe, Rule
     from torchlens.io.bundle import _as_path
 
     bundle = _as_path(path)
     m = read_intervention_manifest(bundle)
     files = m["files"]
-    if not isinstance(files, dict) or "intervention.json" not in files:
-        raise ArtifactError("manifest_malformed", "the manifest lists no intervention.json", remedy="save the spec again")
-    present = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file() or p.is_symlink()}
-    extra = present - set(files) - {"manifest.json"}
-    if extra:
-        raise ArtifactError("artifact_file_unlisted", f"{sorted(extra)[0]} is not listed in the manifest",
-                            remedy="artifacts hold only the files their manifest lists")
-    for name, entry in files.items():
-        p = bundle / name
-        if p.is_symlink():
-            raise ArtifactError("load_path_symlink_rejected", f"{name} is a symlink", remedy="artifacts hold no symlinks")
-        if not p.is_file():
-            raise ArtifactError("artifact_file_missing", f"{name} is missing", remedy="save the spec again", file=name)
-    body = (bundle / "intervention.json").read_bytes()
-    entry = files["intervention.json"]
-    if len(body) != entry.get("size") or hashlib.sha256(body).hexdigest() != entry.get("sha256"):
-        raise ArtifactError("artifact_digest_mismatch", "intervention.json differs from the manifest",
-                            remedy="the spec was modified; save it again", file="intervention.json")
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        raise ArtifactError("recipe_record_malformed", "intervention.json is not JSON", remedy="save the spec again") from None
+    _check_spec_layout(bundle, files)
+    doc = _read_body(bundle, files["intervention.json"])
     if not (isinstance(doc, dict) and set(doc) == {"schema", "rules", "tensors"} and doc["schema"] == SCHEMA
             and isinstance(doc["rules"], list) and isinstance(doc["tensors"], dict)):
         raise ArtifactError("recipe_record_malformed", "intervention.json does not hold a rule list and tensor table",
                             remedy="save the spec again")
-    tensors: dict[str, Any] = {}
-    blob_name = "blobs/recipe-0000.safetensors"
-    if doc["tensors"]:
-        if blob_name not in files:
-            raise ArtifactError("artifact_file_missing", f"{blob_name} is not listed", remedy="save the spec again")
-        b = files[blob_name]
-        blob = blobfile.read_blob(str(bundle / blob_name), blob_name, b["size"], b["sha256"], False)
-        if {t for t in blob.entries if not t.startswith(blobfile.PAD_PREFIX)} != set(doc["tensors"]):
-            raise ArtifactError("record_reference_invalid", "the blob's tensors differ from the tensor table",
-                                remedy="save the spec again")
-        for tname, info in doc["tensors"].items():
-            if not (isinstance(info, dict) and set(info) == {"codec", "dtype", "shape", "meta"}
-                    and isinstance(info["shape"], list) and all(type(d) is int and d >= 0 for d in info["shape"])):
-                raise ArtifactError("recipe_record_malformed", f"tensor table entry {tname} is malformed",
-                                    remedy="save the spec again")
-            payload = blobfile.payload_from_storage(blob, tname, info["dtype"], tuple(info["shape"]), info["meta"])
-            tensors[tname] = codec_named(info["codec"], m["backend"] or "").decode(payload)
-    reader = _Reader(tensors)
+    if len(doc["rules"]) != m["rules"]:
+        raise ArtifactError("manifest_disclosure_mismatch", f"the manifest counts {m['rules']} rules, the spec holds "
+                            f"{len(doc['rules'])}", remedy="the spec was modified; save it again")
+    reader = _Reader(_load_tensors(bundle, m, doc["tensors"]))
     rules, hooks = [], []
     for i, r in enumerate(doc["rules"]):
         where = f"rules[{i}]"
@@ -352,17 +503,21 @@ def load_intervention_spec(path: Any) -> InterventionSpec:
         site = _dec_selector(r["target"], where + ".target")
         e = r["edit"]
         if e.get("portability") == "placeholder":
-            if m["kind"] == "recipe":
-                raise ArtifactError("recipe_audit_only", f"{where} holds a callable placeholder; this recipe is audit-only",
-                                    remedy="re-create the edit in code")
-            edit = _placeholder_edit(str(e.get("name")), str(e.get("qualname", "")))
-            helper = HelperRecord(edit.name, (), "placeholder", str(e.get("qualname", "")))
+            if not (set(e) == {"name", "portability", "qualname"} and type(e["name"]) is str
+                    and type(e["qualname"]) is str):
+                raise ArtifactError("recipe_record_malformed", f"{where}.edit is malformed", remedy="save the spec again")
+            if m["kind"] == "recipe" or m["level"] != "audit":
+                raise ArtifactError("recipe_audit_only", f"{where} holds a callable placeholder; only an audit-level "
+                                    "intervention spec may", remedy="re-create the edit in code")
+            edit = _placeholder_edit(e["name"], e["qualname"])
+            helper = HelperRecord(edit.name, (), "placeholder", e["qualname"])
         else:
-            if not (isinstance(e.get("name"), str) and isinstance(e.get("kwargs"), list)):
+            if not (set(e) == {"name", "portability", "kwargs"} and e["portability"] == "builtin"
+                    and type(e["name"]) is str and isinstance(e["kwargs"], list)):
                 raise ArtifactError("recipe_record_malformed", f"{where}.edit is malformed", remedy="save the spec again")
             kw = {}
             for pair in e["kwargs"]:
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is str and pair[0] not in kw):
                     raise ArtifactError("recipe_record_malformed", f"{where}.edit.kwargs is malformed", remedy="save the spec again")
                 kw[pair[0]] = reader.value(pair[1], where)
             edit = _rebuild_edit(e["name"], kw, where)

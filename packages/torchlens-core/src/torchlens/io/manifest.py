@@ -9,6 +9,7 @@ reads anything else.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -46,6 +47,18 @@ def _no_constant(name: str) -> Any:
 def strict_json(text: str) -> Any:
     """Parse JSON with no duplicate keys and no NaN/Infinity literals (ValueError otherwise)."""
     return json.loads(text, object_pairs_hook=_no_dup_keys, parse_constant=_no_constant)
+
+
+def read_bounded(path: Any, limit: int) -> bytes | None:
+    """The file's bytes, or None when it is larger than `limit`. Only what the file holds is
+    allocated (`f.read(limit + 1)` would allocate `limit` bytes for a one-byte file). Raises
+    OSError as `open` does."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            return None
+        data = f.read(size + 1)  # one byte more: a file that grew since the stat shows up
+    return data if len(data) <= limit else None
 
 
 def parse_json(data: bytes, what: str, code: str) -> Any:

@@ -155,12 +155,18 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
 
 
 def _rebind_callables(trace: Trace) -> None:
-    """Let the backend turn saved callable names back into its own callables (only names
-    inside its framework; anything else stays a placeholder that refuses to run)."""
+    """Turn saved callable names back into the backend's callables, through its closed table
+    only: `rebind_op(op)` (rebuilds an op from its own records, e.g. a JAX primitive from the
+    primitive table) or `resolve_callable(name)` (a name in the backend's callable table).
+    Nothing here imports a module or looks a dotted path up. An op whose name neither
+    resolves keeps its `CallablePlaceholder` and is opaque: every replay verb refuses it with
+    `opaque_op_not_replayable` before running anything (`io/opaque.py`). Placeholders in other
+    cells (argument templates, meta, options, parameter values) are never re-bound."""
     from torchlens.types import CallablePlaceholder
 
-    resolve = getattr(trace._backend, "resolve_callable", None)
-    rebind_op = getattr(trace._backend, "rebind_op", None)  # per-op: from the op's own records
+    backend = trace._backend
+    resolve = getattr(backend, "resolve_callable", None)
+    rebind_op = getattr(backend, "rebind_op", None)  # per-op: from the op's own records
     if resolve is None and rebind_op is None:
         return
     cache: dict[str, Any] = {}
@@ -168,16 +174,13 @@ def _rebind_callables(trace: Trace) -> None:
         f = op.func
         if not isinstance(f, CallablePlaceholder):
             continue
-        if rebind_op is not None:
-            new = rebind_op(op)
-            if new is not None:
-                op.func = new
-                continue
-        if resolve is not None:
+        new = rebind_op(op) if rebind_op is not None else None
+        if new is None and resolve is not None:
             if f.qualname not in cache:
                 cache[f.qualname] = resolve(f.qualname)
-            if cache[f.qualname] is not None:
-                op.func = cache[f.qualname]
+            new = cache[f.qualname]
+        if new is not None and callable(new) and not isinstance(new, CallablePlaceholder):
+            op.func = new
 
 
 def _backend_or_none(name: str) -> Any:

@@ -5,7 +5,10 @@ Column types are a small closed vocabulary (strings, ints, floats, bools, shapes
 lists, ...). Free-form fields (op meta, argument templates, annotations) use the `value`
 type: tagged JSON for None/bool/int/float/str/list/tuple/dict and a few known objects; a
 payload the codec can encode becomes a `{"$payload": key}` reference into the blobs; any
-other object is written as text and loads as `tl.types.UnencodableValue`.
+other object is written as text and loads as `tl.types.UnencodableValue`. A callable is
+written as its name only (`{"$callable": name}`, the backend's table name when it has one)
+and always loads as a `tl.types.CallablePlaceholder`; only the backend's closed callable
+table turns an op's name back into code (see `io/rebuild.py`, `io/opaque.py`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ RECORD_KINDS: tuple[str, ...] = tuple(SCHEMAS)
 #: Digest of the schemas: two artifacts with the same digest share every column and type.
 SCHEMA_DIGEST = hashlib.sha256(json.dumps(SCHEMAS, sort_keys=True).encode()).hexdigest()
 MAX_DEPTH = 64
+#: numpy scalar dtype names a `$np` cell may name (the encoder writes only these kinds);
+#: np.dtype parses much more (records, sub-arrays), so the name is checked before numpy sees it.
+_NP_SCALARS = frozenset(np.dtype(t).name for t in (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64",
+    "longdouble"))
 _MARKERS = {"$tuple", "$dict", "$float", "$argref", "$payload", "$np", "$slice", "$ellipsis", "$complex", "$bytes",
             "$capture_options", "$trace_options", "$unencodable", "$callable", "$literal"}
 
@@ -96,8 +104,7 @@ class Encoder:
             if value is None:
                 return None
             self.callables += 1
-            qual = value.qualname if isinstance(value, CallablePlaceholder) else CallablePlaceholder.describe(value)
-            return {"$callable": qual}
+            return {"$callable": self.callable_name(value)}
         try:
             return _typed_out(ctype, value)
         except (TypeError, ValueError):
@@ -153,8 +160,19 @@ class Encoder:
                 return {"$literal": [found[0], self.value(found[1], where, depth + 1)]}
         if callable(v) and hasattr(v, "__qualname__"):
             self.callables += 1
-            return {"$callable": CallablePlaceholder.describe(v)}
+            return {"$callable": self.callable_name(v)}
         return self._unencodable(v)
+
+    def callable_name(self, fn: Any) -> str:
+        """The name a callable is saved under. A backend whose codec names callables
+        (`codec.callable_name(fn)`) gives the name its closed callable table resolves on load;
+        any other callable is written as `module.qualname` and loads as an opaque placeholder.
+        Only the name is written, never code."""
+        if isinstance(fn, CallablePlaceholder):
+            return fn.qualname
+        namer = getattr(self.codec, "callable_name", None)
+        name = namer(fn) if namer is not None else None
+        return name if isinstance(name, str) else CallablePlaceholder.describe(fn)
 
     def _unencodable(self, v: Any) -> Any:
         type_name, text = UnencodableValue.describe(v)
@@ -341,7 +359,7 @@ class Decoder:
             _need(isinstance(body, str))
             return self.payload(body, where)
         if tag == "$np":
-            _need(isinstance(body, list) and len(body) == 2 and isinstance(body[0], str))
+            _need(isinstance(body, list) and len(body) == 2 and body[0] in _NP_SCALARS)
             dt = np.dtype(body[0])
             val = sub(body[1])
             _need(dt.kind in "biuf" and type(val) in ({"b": bool}.get(dt.kind, int), float) and
@@ -378,7 +396,12 @@ class Decoder:
             plain = sub(body[1])
             if self.literal is None:
                 return UnencodableValue(body[0], repr(plain), where)
-            value = self.literal(body[0], plain)
+            try:
+                value = self.literal(body[0], plain)
+            except ArtifactError:
+                raise
+            except Exception as exc:  # the backend's literal parser on text from the file: typed, never raw
+                raise _invalid(where, f"{body[0][:40]!r} literal does not rebuild ({type(exc).__name__})") from None
             _need(value is not None)
             return value
         if tag == "$unencodable":

@@ -299,7 +299,11 @@ class Trace:
         """Replay every op from its saved inputs (under its recorded RNG state) and compare;
         the detailed status lands in `trace.validation_replay_status`."""
         self._backend.capabilities().refuse_unless("validation_replay") if self._backend is not None else None
-        status = self._verb("validate")(self, None)
+        validate = self._verb("validate")
+        from torchlens.io.opaque import refuse_opaque
+
+        refuse_opaque(self, self._ops.values())  # a loaded op the backend could not re-bind: refuse before any runs
+        status = validate(self, None)
         self.validation_replay_status = status
         return bool(status)
 
@@ -314,7 +318,11 @@ class Trace:
     def do(self, site: Any, edit: Any = None, /, *, model: Any = None, inputs: Any = None, intervention: Any = None,
            input_kwargs: dict | None = None, loss: Any = None) -> "Trace":
         """Stage an edit at `site` and propagate it: through the recorded graph (replay, no
-        model), or by re-executing `model` on `inputs` (rerun). Returns this trace."""
+        model), or by re-executing `model` on `inputs` (rerun). Returns this trace.
+
+        `intervention=` takes `InterventionOptions` or `ReplayOptions`. Replay refuses
+        (`replay_param_changed_since_capture`) when an op it recomputes reads a parameter
+        that changed since capture, unless `allow_changed_params=True`."""
         from torchlens.intervention.verbs import do
 
         return do(self, site, edit, model=model, inputs=inputs, intervention=intervention, input_kwargs=input_kwargs,
