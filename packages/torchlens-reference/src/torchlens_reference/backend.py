@@ -249,6 +249,9 @@ class ReferenceBackend:
 
     def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
         """Replay every op on its parents' saved values and compare with its saved output."""
+        from torchlens.io.opaque import refuse_opaque
+
+        refuse_opaque(trace, trace._ops.values())  # a loaded op with no callable never runs
         params = {a: p.value for a, p in trace._params.items()}
         by_event = {o.event_id: o for o in trace.ops}
         decisions = []

@@ -87,12 +87,15 @@ class TorchEditOps:
         if state is None:
             yield
             return
-        saved = torch.get_rng_state()
-        torch.set_rng_state(state)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(saved)
+        from torchlens_torch.concurrency import exclusive
+
+        with exclusive("replay"):  # the global generator is process-wide: one user at a time
+            saved = torch.get_rng_state()
+            torch.set_rng_state(state)
+            try:
+                yield
+            finally:
+                torch.set_rng_state(saved)
 
 
 def _edit_leaves(out: Any, fn: Any) -> tuple[Any, int]:
