@@ -1,8 +1,10 @@
 """Repository-wide pytest configuration: docs examples are tests.
 
-Every ```python block in docs/ whose first line is `# docs-test: expected=<literal>` runs as
-a test; after it runs, its `RESULT` variable must equal the literal. A block that needs a
-framework that is not installed is skipped, not failed.
+Every ```python block in README.md and docs/ runs as a test, each in a fresh namespace and a
+fresh temporary working directory. A block whose first line is `# docs-test: expected=<literal>`
+must also leave a `RESULT` variable equal to the literal; any other block must simply run
+without raising. A block that needs a framework (or a backend package) that is not installed
+is skipped, not failed.
 """
 
 from __future__ import annotations
@@ -21,17 +23,21 @@ _FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "equinox", "tensorflow", "paddl
                "torchlens_tinygrad", "torchlens_reference", "graphviz", "pandas"}
 
 
-def docs_blocks(path: Path) -> list[tuple[int, str, str]]:
-    """(line number, expected literal, code) for each docs-test block in a Markdown file."""
+#: TorchLens refusal codes that mean "the backend this block needs is not installed here".
+_MISSING_BACKEND_CODES = {"runtime_missing"}
+
+
+def docs_blocks(path: Path) -> list[tuple[int, str | None, str]]:
+    """(line number, expected literal or None, code) for each ```python block in a Markdown
+    file; the literal is None for a block without a `# docs-test: expected=` first line."""
     text = path.read_text(encoding="utf-8")
     out = []
     for m in _BLOCK.finditer(text):
         code = m.group(1)
         first = code.split("\n", 1)[0].strip()
         mark = _MARK.match(first)
-        if mark:
-            line = text.count("\n", 0, m.start()) + 2
-            out.append((line, mark.group(1).strip(), code))
+        line = text.count("\n", 0, m.start()) + 2
+        out.append((line, mark.group(1).strip() if mark else None, code))
     return out
 
 
@@ -42,14 +48,14 @@ class DocsFile(pytest.File):
 
 
 class DocsItem(pytest.Item):
-    def __init__(self, *, expected: str, code: str, line: int, **kw):
+    def __init__(self, *, expected: str | None, code: str, line: int, **kw):
         super().__init__(**kw)
         self.expected = expected
         self.code = code
         self.line = line
 
     def runtest(self):
-        expected = ast.literal_eval(self.expected)
+        expected = None if self.expected is None else ast.literal_eval(self.expected)
         ns: dict = {"__name__": "__docs_test__"}
         cwd = os.getcwd()
         tmp = self.config._tmp_path_factory.mktemp("docs") if hasattr(self.config, "_tmp_path_factory") else None
@@ -61,8 +67,14 @@ class DocsItem(pytest.Item):
             if (exc.name or "").split(".")[0] in _FRAMEWORKS:
                 pytest.skip(f"needs {exc.name}")
             raise
+        except Exception as exc:
+            if getattr(exc, "code", None) in _MISSING_BACKEND_CODES:
+                pytest.skip(f"needs a backend that is not installed here: {exc}")
+            raise
         finally:
             os.chdir(cwd)
+        if self.expected is None:
+            return  # an unmarked block only has to run
         if "RESULT" not in ns:
             raise AssertionError(f"{self.path}:{self.line}: the block sets no RESULT")
         got = ns["RESULT"]
@@ -73,7 +85,16 @@ class DocsItem(pytest.Item):
         return self.path, self.line - 1, f"docs example {self.path.name}:{self.line}"
 
 
+def _is_docs_page(parent, file_path: Path) -> bool:
+    """A Markdown page under docs/, or the repository's README.md."""
+    if file_path.suffix != ".md":
+        return False
+    if file_path.name == "README.md" and file_path.parent == Path(parent.config.rootpath):
+        return True
+    return "docs" in file_path.parts
+
+
 def pytest_collect_file(parent, file_path: Path):
-    if file_path.suffix == ".md" and "docs" in file_path.parts and docs_blocks(file_path):
+    if _is_docs_page(parent, file_path) and docs_blocks(file_path):
         return DocsFile.from_parent(parent, path=file_path)
     return None

@@ -89,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="recompute and fail on any difference")
     mode.add_argument("--graduation", action="store_true", help="print the graduation report from the shipped record")
     args = parser.parse_args(argv)
-    spec = tl.backends.get_spec(args.backend)
+    try:
+        spec = tl.backends.get_spec(args.backend)
+    except tl.errors.BackendUnsupportedError as exc:  # one line, not a traceback (issue 27)
+        print(f"{parser.prog}: {exc.message}; installed backends: {', '.join(sorted(tl.backends.specs())) or 'none'}",
+              file=sys.stderr)
+        return 2
     path = scorecard_path(spec)
     if args.graduation:
         if path is None or not path.is_file():

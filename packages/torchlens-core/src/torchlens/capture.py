@@ -22,6 +22,7 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
     """
     from torchlens.backends.registry import select_backend
 
+    _refuse_class(model)
     removed = sorted(k for k in ("keep_op", "keep_module") if k in trace_options)
     if removed:
         raise TypeError(f"trace() got an unexpected keyword argument {removed[0]!r}: it was removed; "
@@ -39,7 +40,7 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
     intervene = trace_options.pop("intervene", None)
     on_zero_fire = trace_options.pop("on_zero_fire", "warn")
     check_requested_capabilities(proto, capture, {**trace_options, **({"intervene": intervene} if intervene is not None else {})},
-                                 live_interventions=True)
+                                 live_interventions=True, model=model)
     _state.active = True
     try:
         if intervene is not None:
@@ -61,6 +62,46 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
         _state.active = False
     check_save_budget(result, capture)
     return result
+
+
+def _refuse_class(model: Any) -> None:
+    """`tl.trace(SomeModel, x)` with the class, not an instance: say "instantiate it"."""
+    if isinstance(model, type):
+        name = f"{model.__module__}.{model.__qualname__}"
+        raise InvalidArgumentError(
+            "model_type_unsupported", f"tl.trace got the class {name}, not a model: instantiate it first",
+            remedy=f"model = {model.__qualname__}(...); tl.trace(model, x)", model_type=name, is_class=True)
+
+
+def forward_keywords(model: Any) -> tuple[str, ...]:
+    """The named parameters of the model's forward (`forward` for a module, else `__call__`,
+    else the callable itself), read with `inspect` (runs no model code); () if unknown."""
+    import inspect
+
+    candidates = [getattr(model, "forward", None)]
+    if not inspect.isroutine(model):
+        candidates.append(getattr(model, "__call__", None))
+    candidates.append(model)
+    for fn in candidates:
+        if fn is None or not callable(fn):
+            continue
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        named = tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if named:
+            return named
+    return ()
+
+
+def _forward_name(model: Any) -> str:
+    import inspect
+
+    if inspect.isroutine(model):
+        return f"{getattr(model, '__qualname__', getattr(model, '__name__', 'the model'))}()"
+    owner = type(model).__qualname__
+    return f"{owner}.forward()" if callable(getattr(model, "forward", None)) else f"{owner}.__call__()"
 
 
 def check_save_budget(result: Any, capture: CaptureOptions | None) -> None:
@@ -99,8 +140,10 @@ OPTION_CAPABILITY: dict[str, str] = {
 
 
 def check_requested_capabilities(proto: Any, capture: CaptureOptions | None, options: dict[str, Any],
-                                 live_interventions: bool = False) -> None:
-    """Refuse, before any framework call, what the backend declares it cannot do."""
+                                 live_interventions: bool = False, model: Any = None) -> None:
+    """Refuse, before any framework call, what the backend declares it cannot do. With
+    `model`, an unknown option that names an input of the model's forward says to pass it
+    in `input_kwargs=`."""
     from torchlens.backends.codes import CAPABILITY_REFUSALS
     from torchlens.errors import BackendUnsupportedError
 
@@ -122,8 +165,19 @@ def check_requested_capabilities(proto: Any, capture: CaptureOptions | None, opt
         if name == "intervene" and live_interventions:
             continue  # core applies recipes through the backend's _edit_plan option
         if name not in declared:
+            options_text = ", ".join(sorted(declared | {"save", "capture"}))
+            named_options = set(PUBLIC_TRACE_OPTIONS) | set(CORE_TRACE_OPTIONS)
+            inputs = {k for k in options if k not in declared and k not in named_options}
+            if model is not None and name in inputs and name in forward_keywords(model):
+                given = ", ".join(f"{k!r}: ..." for k in sorted(inputs & set(forward_keywords(model))))
+                raise BackendUnsupportedError(
+                    "trace_option_unsupported",
+                    f"{name!r} is an input of {_forward_name(model)}, not a trace option of the {proto.name} backend",
+                    remedy=f"pass the model's keyword inputs in input_kwargs=: tl.trace(model, input_kwargs={{{given}}}) "
+                           f"(trace options: {options_text})",
+                    backend=proto.name, option=name, model_input=True)
             raise BackendUnsupportedError("trace_option_unsupported", f"the {proto.name} backend has no trace option {name!r}",
-                                          remedy=f"its options: {', '.join(sorted(declared | {'save', 'capture'}))}",
+                                          remedy=f"its options: {options_text}",
                                           backend=proto.name, option=name)
 
 

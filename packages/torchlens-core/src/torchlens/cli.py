@@ -7,6 +7,35 @@ import sys
 from pathlib import Path
 
 
+def version_line() -> str:
+    """`torchlens --version`: core's version and every installed plugin distribution, read from
+    package metadata (imports no plugin and no framework)."""
+    from importlib import metadata
+
+    import torchlens
+
+    try:
+        core = f"torchlens-core {metadata.version('torchlens-core')}"
+    except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+        core = f"torchlens-core {torchlens.__version__} (not installed)"
+    plugins = set()
+    for ep in metadata.entry_points(group="torchlens"):
+        dist = getattr(ep, "dist", None)
+        plugins.add(f"{dist.metadata['Name']} {dist.version}" if dist is not None else ep.value)
+    return core + ("; plugins: " + ", ".join(sorted(plugins)) if plugins else "; no plugins installed")
+
+
+class _VersionAction(argparse.Action):
+    """Like argparse's "version" action, but computed only when asked and never re-wrapped."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from torchlens.report import doctor
 
@@ -23,13 +52,18 @@ def _demo(args: argparse.Namespace) -> int:
     specs = registry.specs()
     name = args.backend or ("torch" if "torch" in specs else "reference" if "reference" in specs else None)
     if name is None:
-        print("no backend is installed: pip install 'torchlens[torch]'", file=sys.stderr)
+        print(f"no backend is installed: {registry.install_hint('torch')}", file=sys.stderr)
+        return 2
+    problem = backend_problem(name)
+    if problem is not None:
+        print(f"torchlens demo: {problem}", file=sys.stderr)
         return 2
     spec = specs[name]
     zoo = load_zoo(spec)
     key = args.model or ("demo" if "demo" in zoo else next(iter(zoo), None))
     if key is None or key not in zoo:
-        print(f"backend {name} ships no model {key!r}; choose from {', '.join(zoo)}", file=sys.stderr)
+        print(f"torchlens demo: backend {name} ships no model {key!r}; choose from {', '.join(zoo) or 'none'}",
+              file=sys.stderr)
         return 2
     entry = zoo[key]
     if entry.reseed is not None:
@@ -50,25 +84,64 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _backend_arg(rest: list[str]) -> str | None:
+    """The value of `--backend NAME` / `--backend=NAME` among forwarded arguments."""
+    for i, arg in enumerate(rest):
+        if arg == "--backend" and i + 1 < len(rest):
+            return rest[i + 1]
+        if arg.startswith("--backend="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def backend_problem(name: str | None) -> str | None:
+    """One line when `name` is not an installed backend (listing the installed ones), else None."""
+    if name is None:
+        return None
+    from torchlens.backends import registry
+
+    installed = sorted(registry.specs())
+    if name in installed:
+        return None
+    listed = ", ".join(installed) or "none"
+    if name in registry.KNOWN_BACKEND_EXTRAS:
+        return f"the {name} backend is not installed; installed backends: {listed}"
+    return f"no backend named {name!r}; installed backends: {listed}"
+
+
 def _scorecard(args: argparse.Namespace, rest: list[str]) -> int:
     """Forwarded to `python -m torchlens_conformance.scorecard` (core never imports the suite)."""
     import importlib.util
     import subprocess
 
+    problem = backend_problem(_backend_arg(rest))
+    if problem is not None:
+        print(f"torchlens scorecard: {problem}", file=sys.stderr)
+        return 2
     if importlib.util.find_spec("torchlens_conformance") is None:
-        print("the conformance suite is not installed: pip install torchlens-conformance", file=sys.stderr)
+        from torchlens.backends.registry import install_hint
+
+        print(f"the conformance suite is not installed: {install_hint('conformance')}", file=sys.stderr)
         return 2
     return subprocess.call([sys.executable, "-m", "torchlens_conformance.scorecard", *rest])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchlens", description="TorchLens command line")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the installed torchlens distributions and exit")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="list plugins, backends and their scorecards")
-    demo = sub.add_parser("demo", help="trace a small built-in model and draw it")
-    demo.add_argument("--backend", default=None)
-    demo.add_argument("--model", default=None)
-    demo.add_argument("--out", default="torchlens_demo.svg")
+    demo = sub.add_parser("demo", help="trace a small built-in model and draw it",
+                          description="Trace a model from a backend's zoo (no downloads), print its summary, "
+                                      "draw it and print the doctor table.")
+    demo.add_argument("--backend", default=None,
+                      help="backend whose zoo to use (default: torch if installed, else reference)")
+    demo.add_argument("--model", default=None,
+                      help="zoo model name (default: 'demo' if the backend has one, else its first model)")
+    demo.add_argument("--out", default="torchlens_demo.svg",
+                      help="picture to write (default torchlens_demo.svg; DOT text in a .gv file when "
+                           "graphviz cannot render)")
     sub.add_parser("scorecard", help="compute or check a backend scorecard (torchlens_conformance)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "doctor":

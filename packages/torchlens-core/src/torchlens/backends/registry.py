@@ -17,6 +17,14 @@ KNOWN_BACKEND_EXTRAS: dict[str, str] = {
 }
 
 _protocols: dict[str, Any] = {}
+
+
+def install_hint(extra: str) -> str:
+    """The install line for a pip extra. TorchLens is installed from a wheelhouse built in the
+    repository (`scripts/build-wheels.sh`), never from PyPI, where "torchlens" is another project."""
+    return f'pip install --no-index --find-links wheelhouse "torchlens[{extra}]" (see docs/install.md)'
+
+
 _lock = threading.Lock()
 
 
@@ -32,7 +40,7 @@ def get_spec(name: str) -> BackendSpec:
     if name in KNOWN_BACKEND_EXTRAS:
         extra = KNOWN_BACKEND_EXTRAS[name]
         raise BackendUnsupportedError("runtime_missing", f"the {name} backend is not installed",
-                                      remedy=f'pip install "torchlens[{extra}]"', backend=name, extra=extra)
+                                      remedy=install_hint(extra), backend=name, extra=extra)
     raise BackendUnsupportedError("backend_unknown", f"no backend named {name!r} is registered",
                                   remedy="registered backends: " + (", ".join(sorted(specs())) or "none"), backend=name)
 
@@ -75,7 +83,7 @@ def select_backend(model: Any, args: tuple, kwargs: dict, backend: str | None = 
         if code is not None:
             spec = get_spec(backend)
             raise BackendUnsupportedError(code, f"the {backend} backend cannot run here ({code})",
-                                          remedy=f'pip install "torchlens[{spec.framework.extra or backend}]"', backend=backend)
+                                          remedy=install_hint(spec.framework.extra or backend), backend=backend)
         if not proto.can_handle(model, args, kwargs):
             tname = f"{type(model).__module__}.{type(model).__qualname__}"
             raise InvalidArgumentError("model_type_unsupported", f"the {backend} backend cannot trace a {tname}",

@@ -107,7 +107,22 @@ class Module:
 
     @property
     def num_params(self) -> int:
+        """Elements of the parameters this module registers itself (not its submodules')."""
         return sum(p.numel for p in self.params)
+
+    @property
+    def all_param_addresses(self) -> list[str]:
+        """The parameters of this module and every submodule (what `sum(p.numel() for p in
+        module.parameters())` counts in torch)."""
+        if self.address == "self":
+            return list(self._trace._params)
+        prefix = self.address + "."
+        return [a for a in self._trace._params if a.startswith(prefix)]
+
+    @property
+    def num_params_total(self) -> int:
+        """Elements of `all_param_addresses`: a GPT-2 block's count, not its direct 0."""
+        return sum(self._trace._params[a].numel for a in self.all_param_addresses)
 
     @property
     def output_ops(self) -> list["Op"]:

@@ -263,6 +263,32 @@ class Layer:
     def grad(self):
         return self._single("grad").grad
 
+    # The rest of the single-op reads a first user expects on `trace["label"]` (a Layer):
+    # they pass through to the one Op of a single-pass layer, like `.out` does.
+    @property
+    def flops(self):
+        return self._single("flops").flops
+
+    @property
+    def macs(self):
+        return self._single("macs").macs
+
+    @property
+    def duration(self):
+        return self._single("duration").duration
+
+    @property
+    def meta(self):
+        return self._single("meta").meta
+
+    @property
+    def saved(self) -> bool:
+        return self._single("saved").saved
+
+    @property
+    def nbytes(self):
+        return self._single("nbytes").nbytes
+
     @property
     def parents(self) -> list[str]:
         seen: dict[str, None] = {}

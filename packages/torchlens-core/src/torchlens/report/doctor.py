@@ -57,6 +57,7 @@ def doctor() -> DoctorReport:
     backend (maturity, installed framework version, supported range, pin) and its
     scorecard row. Reads metadata and shipped records only."""
     from torchlens import __version__
+    from torchlens.backends.registry import install_hint
     from torchlens.plugins.manager import get_plugin_manager
 
     pm = get_plugin_manager()
@@ -76,7 +77,7 @@ def doctor() -> DoctorReport:
         rows.append(DoctorRow(f"backend:{name}", f"{name} backend", status,
                               f"{spec.maturity}; framework {'/'.join(fw.distributions)} {installed or 'absent'}, "
                               f"supported {fw.range_text()}, pinned {fw.pinned}",
-                              "" if in_range else f'pip install "torchlens[{fw.extra or name}]"'))
+                              "" if in_range else install_hint(fw.extra or name)))
     for name, spec in specs.items():
         r = scorecard_row(spec)
         rows.append(DoctorRow(r["key"], r["label"], r["status"], r["detail"], r["suggestion"]))

@@ -40,6 +40,8 @@ def read_scorecard(spec: Any) -> dict[str, Any] | None:
 
 def scorecard_row(spec: Any) -> dict[str, str]:
     """The doctor's `backend_scorecard:<name>` row: status, detail and suggestion."""
+    from torchlens.backends.registry import install_hint
+
     fw = spec.framework
     installed = fw.installed_version()
     record = read_scorecard(spec)
@@ -51,7 +53,7 @@ def scorecard_row(spec: Any) -> dict[str, str]:
               f"pinned {fw.pinned}, installed {installed or 'absent'}, supported [{fw.minimum}, {fw.below}]")
     detail = detail[:-1] + ")"
     if installed is None:
-        status, suggestion = "scope", f'pip install "torchlens[{fw.extra or spec.name}]"'
+        status, suggestion = "scope", install_hint(fw.extra or spec.name)
     elif record is None:
         status, suggestion = "not_tested", f"python -m torchlens_conformance.scorecard --backend {spec.name} --write"
     elif failed or record.get("corrupt"):

@@ -130,7 +130,7 @@ def trace_summary(trace: "Trace", *, flop_convention: str = "fma2", by: str = "o
         for a, mod in trace._modules.items():
             mops = members.get(a, [])
             rows.append([_clip(a, 40), _clip(mod.class_name, 24), str(mod.num_calls), str(len(mops)),
-                         fmt_count(mod.num_params), fmt_bytes(sum(o.nbytes for o in mops)),
+                         fmt_count(mod.num_params_total), fmt_bytes(sum(o.nbytes for o in mops)),
                          fmt_count(fsum([flops[o.label] for o in mops])),
                          fmt_seconds(fsum([o.meta.get("duration_s") for o in mops]))])
         right = {2, 3, 4, 5, 6, 7}

@@ -124,7 +124,8 @@ def host_values(trace: "Trace", value: Any) -> Any:
 
 
 def value_preview(trace: "Trace", value: Any, k: int = 6) -> str:
-    """The first `k` values and, for numbers, min/max/mean: `[0.1, -0.3, ...] min -1.2 max 2 mean 0.01`."""
+    """The first `k` values and, for numbers, min/max/mean/std/norm over the finite elements,
+    with a NaN/Inf count flag when there are any: `[0.1, -0.3, ...] min -1.2 max 2 mean 0.01 std 0.9 norm 3.1`."""
     import numpy as np
 
     arr = host_values(trace, value)
@@ -139,7 +140,18 @@ def value_preview(trace: "Trace", value: Any, k: int = 6) -> str:
     if flat.size > 1 and flat.dtype.kind in "fiu":
         with np.errstate(all="ignore"):
             f64 = flat.astype(np.float64)
-            text += f"  min {np.nanmin(f64):.4g}  max {np.nanmax(f64):.4g}  mean {np.nanmean(f64):.4g}"
+            finite = f64[np.isfinite(f64)]
+            if finite.size:
+                text += (f"  min {finite.min():.4g}  max {finite.max():.4g}  mean {finite.mean():.4g}"
+                         f"  std {finite.std():.4g}  norm {np.sqrt(np.sum(finite * finite)):.4g}")
+    if flat.dtype.kind in "fc":
+        with np.errstate(all="ignore"):
+            n_nan = int(np.isnan(flat).sum())
+            n_inf = int(np.isinf(flat).sum())
+        if n_nan:
+            text += f"  NaN x{n_nan}"
+        if n_inf:
+            text += f"  Inf x{n_inf}"
     return text
 
 
@@ -196,14 +208,23 @@ def layer_html(layer: "Layer") -> str:
 def module_html(module: "Module") -> str:
     rows = [("class", module.class_name), ("parent", module.parent or "-"), ("children", _list(module.children)),
             ("calls", _list(c.label for c in module.calls)), ("layers", len(module.layer_labels)),
-            ("params", f"{fmt_count(module.num_params)} in {len(module.param_addresses)} tensors")]
+            ("params", f"{fmt_count(module.num_params_total)} in {len(module.all_param_addresses)} tensors "
+                       f"({fmt_count(module.num_params)} its own)")]
+    outs = [op for call in module.calls for op in call.output_ops]
+    if outs:
+        first = outs[0]
+        rows.append(("output", f"{first.label}: {fmt_shapes(first.shapes, 2)} {first.dtype or ''}  {_op_values(first)}"
+                               + (f"  (+{len(outs) - 1} more output ops)" if len(outs) > 1 else "")))
+    else:
+        rows.append(("output", "never called" if not module.calls else "-"))
     for p in module.params[:6]:
         rows.append((p.name, f"{fmt_shape(p.shape)} {p.dtype}{'' if p.trainable else ' (frozen)'}"))
     return _kv_table(f"Module {module.address}", rows)
 
 
-def trace_html(trace: "Trace", max_ops: int = 20) -> str:
-    """A header of totals and the first `max_ops` ops with shapes and a few values."""
+def trace_html(trace: "Trace", max_ops: int = 1000) -> str:
+    """A header of totals and the first `max_ops` ops with shapes and a few values, in a
+    scrolling box (a GPT-2 block is ~50 ops, so a short cut-off hid the attention ops)."""
     p = trace.provenance
     n_params = sum(q.numel for q in trace._params.values())
     head = (f"<div><b>Trace of {_esc(p.model_class or trace.name)}</b> ({_esc(p.backend)}): "
@@ -218,6 +239,7 @@ def trace_html(trace: "Trace", max_ops: int = 20) -> str:
         body.append("<tr>" + "".join(f"<td style='text-align:left'>{_esc(c)}</td>" for c in cells) + "</tr>")
     if len(ops) > max_ops:
         body.append(f"<tr><td colspan='{len(cols)}'>... {len(ops) - max_ops} more ops (trace.to_pandas() lists all)</td></tr>")
-    table = ("<table><thead><tr>" + "".join(f"<th style='text-align:left'>{c}</th>" for c in cols) +
-             "</tr></thead><tbody>" + "".join(body) + "</tbody></table>")
+    table = ("<div style='max-height:40em;overflow:auto'><table><thead><tr>" +
+             "".join(f"<th style='text-align:left'>{c}</th>" for c in cols) +
+             "</tr></thead><tbody>" + "".join(body) + "</tbody></table></div>")
     return head + table

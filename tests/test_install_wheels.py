@@ -1,0 +1,123 @@
+"""The install lines of docs/install.md, executed: build the wheelhouse with
+scripts/build-wheels.sh, install core+torch and core+jax into two fresh virtual
+environments with the documented `pip install --no-index --find-links wheelhouse ...` lines,
+and trace a tiny model in each.
+
+Why: `pip install "torchlens[torch]"` against PyPI installs an unrelated project of the same
+name; the documented route must keep working from a clean environment, installing only the
+chosen extras. The third-party wheels (torch, jax, ...) are kept between runs in a cache
+folder (TORCHLENS_WHEEL_CACHE, default .venv/wheel-cache), so a second run downloads
+nothing; installs skip byte-compilation and run in parallel to stay within CI's budget.
+Set TORCHLENS_SKIP_INSTALL_TEST=1 to skip (about 1-3 minutes on the 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALL_DOC = ROOT / "docs" / "install.md"
+
+pytestmark = pytest.mark.skipif(os.environ.get("TORCHLENS_SKIP_INSTALL_TEST") == "1",
+                                reason="TORCHLENS_SKIP_INSTALL_TEST=1")
+
+#: what each fresh environment runs after the install: a tiny trace checked against the
+#: framework's own forward, and proof that only the chosen backend came with it.
+SMOKE = {
+    "torch": """
+import importlib.util, torch, torchlens as tl
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+x = torch.randn(3, 4)
+trace = tl.trace(model, x)
+assert list(trace.labels) == ['input_1', 'linear_1_1', 'relu_1_2', 'linear_2_3', 'output_1'], trace.labels
+assert torch.equal(trace["relu_1_2"].out, torch.relu(model[0](x)))
+assert importlib.util.find_spec("torchlens_jax") is None and importlib.util.find_spec("jax") is None
+print("OK", tl.__file__)
+""",
+    "jax": """
+import importlib.util, jax.numpy as jnp, numpy as np, torchlens as tl
+def f(x, w):
+    return jnp.tanh(x @ w)
+x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+trace = tl.trace(f, x, w)
+assert [op.func_name for op in trace.ops if op.kind == "op"] == ["dot_general", "tanh"], trace.labels
+np.testing.assert_allclose(np.asarray(trace[tl.func("tanh")].first().out), np.asarray(f(x, w)))
+assert importlib.util.find_spec("torchlens_torch") is None and importlib.util.find_spec("torch") is None
+print("OK", tl.__file__)
+""",
+}
+
+
+def _doc_commands() -> tuple[str, dict[str, str]]:
+    """The build line and the core+torch / core+jax install lines, as docs/install.md writes them."""
+    text = INSTALL_DOC.read_text(encoding="utf-8")
+    lines = [ln.split("#", 1)[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for ln in block.splitlines()]
+    build = next(ln for ln in lines if ln.startswith("bash scripts/build-wheels.sh"))
+    installs = {}
+    for extra in SMOKE:
+        installs[extra] = next(ln for ln in lines if ln.startswith("pip install") and ln.endswith(f'"torchlens[{extra}]"'))
+    return build, installs
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
+    assert done.returncode == 0, f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_documented_install_lines_work_in_fresh_venvs(tmp_path):
+    build, installs = _doc_commands()
+    # The documented lines take TorchLens from the wheelhouse only (PyPI's "torchlens" is another project).
+    for line in installs.values():
+        assert "--no-index" in line.split() and "--find-links wheelhouse" in line
+
+    wheelhouse = tmp_path / "wheelhouse"
+    default_cache = ROOT / ".venv" / "wheel-cache" if (ROOT / ".venv").is_dir() else tmp_path / "wheel-cache"
+    cache = Path(os.environ.get("TORCHLENS_WHEEL_CACHE", default_cache))
+    build_args = shlex.split(build)[2:]                       # after "bash scripts/build-wheels.sh"
+    build_args[build_args.index("wheelhouse")] = str(wheelhouse)
+    env = {**os.environ, "PYTHON": sys.executable}
+    _run(["bash", str(ROOT / "scripts" / "build-wheels.sh"), *build_args, "--deps-dir", str(cache)], env=env)
+    built = sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl"))
+    assert built == ["torchlens", "torchlens_conformance", "torchlens_core", "torchlens_jax",
+                     "torchlens_reference", "torchlens_torch"]
+
+    # Every module of every member's source tree is in its wheel (nothing filtered out by the build).
+    for member, wheel_name in [("packages/torchlens-core", "torchlens_core"), ("packages/torchlens-torch", "torchlens_torch"),
+                               ("packages/torchlens-jax", "torchlens_jax"), ("conformance", "torchlens_conformance")]:
+        src = ROOT / member / "src"
+        want = {p.relative_to(src).as_posix() for p in src.rglob("*.py")}
+        with zipfile.ZipFile(next(wheelhouse.glob(f"{wheel_name}-*.whl"))) as z:
+            assert want - set(z.namelist()) == set(), member
+
+    # One fresh venv per documented line (no pip inside: the test's pip installs into it).
+    jobs = {}
+    for extra, line in installs.items():
+        venv = tmp_path / f"venv-{extra}"
+        _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+        args = shlex.split(line)[2:]                          # after "pip install"
+        args = [str(wheelhouse) if a == "wheelhouse" else a for a in args]
+        cmd = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+               "--no-compile", "--find-links", str(cache), *args]
+        jobs[extra] = (venv, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for extra, (venv, proc) in jobs.items():
+        out, _ = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"installing {installs[extra]!r} failed:\n{out[-4000:]}"
+
+    for extra, (venv, _) in jobs.items():
+        py = venv / "bin" / "python"
+        smoke = _run([str(py), "-c", SMOKE[extra]], cwd=tmp_path)
+        assert smoke.stdout.startswith("OK ") and str(venv) in smoke.stdout, smoke.stdout  # not the repo's copy
+        version = _run([str(venv / "bin" / "torchlens"), "--version"]).stdout.strip()
+        assert version == f"torchlens-core 0.1.0; plugins: torchlens-{extra} 0.1.0", version
