@@ -17,7 +17,7 @@ if ! command -v dot >/dev/null 2>&1; then
 fi
 MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference conformance"
 stamp=.venv/.torchlens-setup
-want=$(cat constraints.txt requirements-dev.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)
+want=$(cat constraints.txt requirements-dev.txt requirements-vision.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -26,4 +26,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 editables=()
 for m in $MEMBERS; do editables+=(-e "$m"); done
 .venv/bin/python -m pip install -q -c constraints.txt --no-build-isolation --no-deps "${editables[@]}"
+# torchvision/timm live outside site-packages (see requirements-vision.txt for why); only
+# torchlens_torch.vision_env puts .venv/vision on sys.path.
+rm -rf .venv/vision
+.venv/bin/python -m pip install -q -c constraints.txt --no-deps --target .venv/vision -r requirements-vision.txt
 echo "$want" > "$stamp"

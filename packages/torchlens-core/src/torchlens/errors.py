@@ -245,7 +245,6 @@ _register("InterventionError", {
     "do_loss_not_callable": "do(..., loss=) was given something that is not a callable of the returned trace",
     "do_loss_without_gradient_site": "do(..., loss=) was given for a plan with no gradient site",
     "subspace_basis_invalid": "a subspace basis is not a full-rank [k, d] matrix",
-    "intervention_spec_not_portable": "a rule runs user or session code (or a predicate), which a portable spec cannot hold",
     "run_intervention_spec_not_persisted": "a loaded rule's edit is a placeholder for user code that was never saved",
     "subspace_edit_unsupported": "the verb has no subspace form",
     "subspace_projection_composed": "a subspace site was composed or nested",
@@ -355,6 +354,20 @@ __all__ += ["DrawCostWarning"]
 _register("DrawCostWarning", {
     "draw_layout_slow": "warning: the Graphviz dot layout of this drawing is expected to take longer than "
                         "tl.viz.LAYOUT_WARN_SECONDS (estimate from the drawn node count)",
+})
+
+# --- area: spec fidelity (issue 13: saved interventions, verbs, helpers, facts) ---
+
+
+class OpaqueCallableError(InterventionError):
+    """A rule holds user code (a hook, a spliced module, a `tl.where` predicate) that has no
+    portable form: saving it below level "audit" refuses, naming the rule."""
+
+
+__all__ += ["OpaqueCallableError"]
+
+_register("OpaqueCallableError", {
+    "intervention_spec_not_portable": "a rule runs user or session code (or a predicate), which a portable spec cannot hold",
 })
 
 

@@ -5,6 +5,7 @@ optional and looked up only when a view needs them.
 """
 
 from torchlens.viz.collapse import COLLAPSE_OPTIMIZER_MAX_OPS, collapse_score, collapse_scores, module_collapse_order
+from torchlens.viz.cost import LAYOUT_WARN_SECONDS, estimate_dot_seconds, layout_units
 from torchlens.viz.draw import Drawing, draw_trace
 from torchlens.viz.progress import progress, set_progress
 from torchlens.viz.summary import trace_summary
@@ -14,5 +15,5 @@ from torchlens.viz.themes import THEMES
 __all__ = [
     "Drawing", "draw_trace", "trace_summary", "ops_dataframe", "collection_dataframe", "trace_html",
     "op_html", "layer_html", "module_html", "progress", "set_progress", "THEMES",
-    "COLLAPSE_OPTIMIZER_MAX_OPS", "collapse_score", "collapse_scores", "module_collapse_order",
+    "COLLAPSE_OPTIMIZER_MAX_OPS", "LAYOUT_WARN_SECONDS", "layout_units", "estimate_dot_seconds", "collapse_score", "collapse_scores", "module_collapse_order",
 ]

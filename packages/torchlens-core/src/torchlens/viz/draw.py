@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchlens.errors import InvalidArgumentError
 from torchlens.viz import collapse as _collapse
+from torchlens.viz.cost import warn_if_slow
 from torchlens.viz.dot import RANKDIR, DotOptions, emit_dot
 from torchlens.viz.encoding import DEFAULT_SCALE, EncodingState, check_scale, node_values, stack_groups
 from torchlens.viz.ir import RenderIR, build_ir, trace_units
@@ -330,6 +331,8 @@ def draw_trace(
     header += [msg for _, msg in result.notes]
 
     engine = "neato" if layout == "rank" else "dot"
+    if engine == "dot" and (notebook or fmt not in _TEXT_FORMATS):  # a dot layout will run: say if it is slow
+        warn_if_slow(ir.nodes, ir.edges, collapse=result.request, rolled=rolled, stacklevel=4)
     opts = DotOptions(
         theme=th, direction=direction, header=header, title=p.model_class or trace.name,
         show_legend=show_legend, color=encoding.get("color"), size=encoding.get("size"),

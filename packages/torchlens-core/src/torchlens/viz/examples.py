@@ -1,7 +1,7 @@
 """Small framework-free traces built from hand-made events, for docs, tests and benchmarks.
 
 `example_trace("mlp")`, `example_trace("loop", steps=4)` and
-`example_trace("blocks", n_blocks=8)` return real `Trace`s whose payloads are NumPy arrays,
+`example_trace("blocks", n_blocks=8)`, `example_trace("detection", n_dets=400)` return real `Trace`s whose payloads are NumPy arrays,
 with a tiny NumPy backend object providing `host_copy`. They exercise the same builder a
 backend uses, so drawings and tables of them read exactly like a captured model's.
 """
@@ -162,9 +162,43 @@ def _blocks(n_blocks: int, width: int) -> Trace:
     return b.build(y)
 
 
-def example_trace(kind: str = "mlp", *, steps: int = 3, n_blocks: int = 2, width: int = 8) -> Trace:
+def _detection(n_dets: int, width: int) -> Trace:
+    """The shape that makes Mask R-CNN slow to lay out: a backbone, then a per-detection
+    loop (torchvision's `paste_masks_in_image`) whose every pass reads the early feature map
+    and the image, and a final `stack` reading every pass: edges that span many ranks."""
+    b = EventBuilder("MaskRCNNLike")
+    x = b.input((1, 3, 32, 32), path="images")
+    h = x
+    b.enter("backbone", "Backbone", (x,))
+    for i in range(12):
+        h = b.op("conv2d", (h,), (1, width, 8, 8), f"conv{i}")
+        h = b.op("relu", (h,), (1, width, 8, 8), f"relu{i}")
+    b.exit(h)
+    feats = h
+    b.enter("heads", "RoIHeads", (feats,))
+    scores = b.op("linear", (feats,), (n_dets,), "scores")
+    pasted = []
+    for _ in range(n_dets):
+        box = b.op("getitem", (scores,), (4,), "box")
+        m = b.op("interpolate", (feats, box), (1, 1, 16, 16), "resize")
+        m = b.op("sigmoid", (m,), (1, 1, 16, 16), "sigmoid")
+        z = b.op("zeros", (x,), (32, 32), "canvas")
+        w = b.op("setitem", (z, m), (32, 32), "paste")
+        pasted.append(b.op("gt", (w,), (32, 32), "threshold"))
+    y = b.op("stack", tuple(pasted), (n_dets, 32, 32), "stack")
+    b.exit(y)
+    b.output(y)
+    return b.build(y)
+
+
+def example_trace(kind: str = "mlp", *, steps: int = 3, n_blocks: int = 2, width: int = 8,
+                  n_dets: int = 400) -> Trace:
     """A hand-built Trace: "mlp" (two linears), "loop" (a cell run `steps` times, a
-    recurrent layer per op) or "blocks" (`n_blocks` transformer-like blocks, 16 ops each)."""
+    recurrent layer per op), "blocks" (`n_blocks` transformer-like blocks, 16 ops each) or
+    "detection" (a backbone and a per-detection loop of `n_dets` passes, 6 ops each, with
+    long edges back to the feature map: the layout cost of Mask R-CNN)."""
+    if kind == "detection":
+        return _detection(n_dets, width)
     if kind == "mlp":
         return _mlp(width)
     if kind == "loop":
@@ -173,4 +207,4 @@ def example_trace(kind: str = "mlp", *, steps: int = 3, n_blocks: int = 2, width
         return _blocks(n_blocks, width)
     from torchlens.errors import InvalidArgumentError
 
-    raise InvalidArgumentError("invalid_argument", f"no example trace {kind!r}", remedy="use 'mlp', 'loop' or 'blocks'")
+    raise InvalidArgumentError("invalid_argument", f"no example trace {kind!r}", remedy="use 'mlp', 'loop', 'blocks' or 'detection'")
