@@ -369,6 +369,82 @@ __all__ += ["OpaqueCallableError"]
 _register("OpaqueCallableError", {
     "intervention_spec_not_portable": "a rule runs user or session code (or a predicate), which a portable spec cannot hold",
 })
+_register("InterventionError", {
+    "run_capability_unavailable": "the guarded fast rerun cannot run this trace or plan (fields['stage'] names the guard); "
+                                  "trace.run falls back to the capture engine and reports it in last_run['fast_refused']",
+    "output_structure_mismatch": "a rerun's model output does not pair with the captured output ops (leaf count or path)",
+    "backward_armed_edit_unapplied": "trace.backward on a trace holding gradient rules staged after its capture, which its "
+                                     "recorded backward graph cannot carry (apply them on a rerun)",
+})
+
+
+class ZeroFireWarning(TorchLensError, RuntimeWarning):
+    """A warning, not raised: an intervention fired at zero sites (`on_zero_fire="warn"`).
+    Carries `code` (`trace_zero_fire`, `rerun_zero_fire`, `bind_zero_fire`), `fields`
+    (`hints`; `reason="module_output_not_tensor"` with `reason_detail` for a module that
+    returned no tensor) and `remedy` like an error."""
+
+
+__all__ += ["ZeroFireWarning"]
+
+_register("SelectorCompositionError", {
+    "bind_static_anchor_unresolved": "a module selector names an alias spelling of a module registered under several "
+                                     "names; select its canonical named_modules() name",
+})
+
+
+# --- area: backend contract (issue 14: plugin loading, capability protocols, scorecard honesty) ---
+
+
+class PluginWarning(TorchLensError, UserWarning):
+    """A warning, not raised: a third-party plugin was skipped (it failed to import, to
+    register, or its hook raised or returned malformed objects). Carries `code`, `fields`
+    (plugin, distribution, error) and `remedy` like an error; the doctor lists the plugin."""
+
+
+__all__ += ["PluginWarning"]
+
+_register("PluginWarning", {
+    "plugin_skipped": "warning: a third-party plugin failed to load or returned malformed objects and was skipped "
+                      "(the doctor lists it as broken; other plugins keep working)",
+})
+_register("BackendUnsupportedError", {
+    "backend_capability_members_missing": "a backend declares a capability in capabilities() but lacks the members "
+                                          "of that capability's protocol (refused at registration)",
+    "backend_capability_undeclared": "a backend has members of a capability protocol whose capability it does not "
+                                     "declare (refused at registration)",
+    "backend_refusal_codes_inconsistent": "a backend's refusal_codes() lists the refusal code of a capability it "
+                                          "declares supported (refused at registration)",
+})
+
+
+# --- area: capture correctness (issue 12 §3: views, slots, reruns, data-dependent values) ---
+_register("ReplayPreconditionError", {
+    "replay_value_read_changed": "an op of the replay cone produced a value the forward read into Python (.item(), "
+                                 ".tolist(), int(t), a branch condition), and the edit changes what that read gives: a "
+                                 "shape, index or branch recorded at capture may no longer hold; rerun instead",
+    "replay_op_unsupported": "an op of the replay cone cannot be re-executed from its recorded arguments "
+                             "(torch.autograd.grad inside the forward, a write through a view of a non-contiguous "
+                             "base); rerun instead",
+})
+_register("InterventionError", {
+    "rerun_graph_diverged_downstream": "warning: an edit changed the rerun's graph after every edited op (its own "
+                                       "effect on the control flow); the result records the edited run",
+})
+_register("InvalidArgumentError", {
+    "backward_inference_only": "trace.backward on an inference-only capture (its forward ran under torch.no_grad() "
+                               "or CaptureOptions(inference_only=True)): there is no autograd graph",
+})
+_register("TraceCaptureError", {
+    "capture_nonfinite_detected": "warning (on_nonfinite='warn', once per capture): ops produced NaN or Inf",
+})
+
+# --- area: validation verdicts (issue 12 §1-§2, issue 13 validation scopes) ---
+_register("ValidationError", {
+    "backward_validation_carried_graph": "tl.validate(scope='backward'): the backward went through a graph an earlier "
+                                         "backward freed, and module attributes (fields['attributes']) hold tensors "
+                                         "with autograd history carried between calls",
+})
 
 
 def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:

@@ -83,7 +83,8 @@ def _plan(structure: Any, recipe: Recipe, ops: Any) -> tuple[dict[int, list[Edit
 
 
 def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Recipe, *, save: Any, capture: Any,
-                 on_zero_fire: str = "warn", zero_fire_code: str = "trace_zero_fire", check_graph: bool = True) -> Any:
+                 on_zero_fire: str = "warn", zero_fire_code: str = "trace_zero_fire", check_graph: bool = True,
+                 engine: str = "live") -> Any:
     """Capture `model(*args)` with `recipe`'s edits live; the trace records the edited run."""
     from torchlens.intervention.verbs import _audit, _state, _zero_fire
 
@@ -91,7 +92,10 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
 
     from torchlens.intervention.edits import check_tensors_unchanged
 
+    from torchlens.intervention.verbs import refuse_placeholders
+
     _check_backend(proto)
+    refuse_placeholders(recipe.rules)  # a saved placeholder never reruns silently without its edit
     for rule in recipe.rules:
         check_tensors_unchanged(rule.edit)
     ops = proto.edit_ops()
@@ -101,7 +105,9 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
         proto.capabilities().refuse_unless("backward_capture", f"the {proto.name} backend cannot edit gradients")
         capture = dataclasses.replace(capture, backward_ready=True, inference_only=None)
         forced = True
-    structure = proto.capture(model, args, kwargs, save="none", capture=capture)
+    # both captures pass an edit plan (the first an empty one): a backend runs a live capture on
+    # copies of the caller's inputs, so the two runs see the same inputs and the caller's stay put
+    structure = proto.capture(model, args, kwargs, save="none", capture=capture, _edit_plan=EditPlan({}, {}, ops))
     by_event, grad_by_event, labels, resolved = _plan(structure, recipe, ops)
     from torchlens.intervention.verbs import check_sites
 
@@ -110,19 +116,78 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
         _zero_fire(on_zero_fire, zero_fire_code, list(recipe.rules), structure)
     plan = EditPlan(by_event, labels, ops, grad_by_event)
     result = proto.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=plan)
-    if check_graph and result.labels != structure.labels:
-        warnings.warn("[rerun_graph_diverged] the edited run recorded a different graph than the unedited run; "
-                      "edits after the divergence may sit at different ops", RuntimeWarning, stacklevel=3)
+    diverged = check_divergence(structure, result, set(by_event) | set(grad_by_event), warn=check_graph)
     st = _state(result)
     st["recipe"] = recipe
     st["is_fork"] = True
-    _audit(st, "live", resolved)
-    st["last_run"] = {"engine": "live", "hooks_fired": len(plan.fired),
-                      "hooks_unfired": [labels[e] for e in by_event if e not in plan.fired],
-                      "backward_ready_forced": forced, "armed_gradient_edits": len(grad_by_event)}
+    _audit(st, engine, resolved)
+    st["steered_digest"] = recipe.digest  # the recorded values reflect exactly this recipe
+    st["live_armed"] = tuple(r.identity() for r in recipe.rules if r.signal == "backward")  # hooked on this graph
+    fired_rules, unfired_rules = _fire_report(resolved, result, plan)
+    st["last_run"] = {"engine": engine, "hooks_fired": len(fired_rules), "hooks_unfired": unfired_rules,
+                      "unfired_sites": [labels[e] for e in by_event if e not in plan.fired],
+                      "backward_ready_forced": forced, "armed_gradient_edits": len(grad_by_event),
+                      "graph_diverged_at": diverged}
     result.__dict__["_edit_plan"] = plan
     result.annotations["unmatched_capture_selectors"] = [repr(r.target) for r, lbs, _, _ in resolved if not lbs]
     return result
+
+
+def _op_key(op: Any) -> tuple:
+    return (op.label, op.parents)
+
+
+def check_divergence(structure: Any, result: Any, edited_events: set[int], *, warn: bool = True) -> str | None:
+    """Compare the edited run's graph with the unedited run's (op labels in order and their
+    edges). Edits are placed by event position, so when the graphs part at or before an
+    edited event an edit may have landed on another op: refuse (`rerun_graph_diverged`,
+    nothing adopted). A divergence after every edited event is the edit's own effect on
+    the control flow downstream: the result is kept, the warning
+    `rerun_graph_diverged_downstream` says where. Returns the first diverging label."""
+    before = list(structure._ops.values())
+    after = list(result._ops.values())
+    first = None
+    for i in range(max(len(before), len(after))):
+        if i >= len(before) or i >= len(after) or _op_key(before[i]) != _op_key(after[i]):
+            first = i
+            break
+    if first is None:
+        return None
+    at = before[first] if first < len(before) else None
+    label = at.label if at is not None else (after[first].label if first < len(after) else "<end>")
+    edited = sorted(o.label for o in before if o.event_id in edited_events)
+    if at is None or any(e >= at.event_id for e in edited_events):
+        got = after[first].label if first < len(after) else "<end of graph>"
+        raise InterventionError(
+            "rerun_graph_diverged",
+            f"the edited run recorded a different graph than the unedited run from op {first} on ({label} became "
+            f"{got}), at or before an edited op ({', '.join(edited[:4])}): edits are placed by position, so one may "
+            "have landed on another op; nothing was changed",
+            remedy="make the forward's graph independent of the edit up to the edited ops (a value-dependent branch or "
+                   "shape before them), or edit a site after the branch",
+            first_divergence=label, became=got, position=first, edited=edited)
+    if warn:
+        warnings.warn(f"[rerun_graph_diverged_downstream] the edit changed the graph after every edited op "
+                      f"(from {label} on): the result records the edited run's own ops", RuntimeWarning, stacklevel=4)
+    return label
+
+
+def _fire_report(resolved: list, result: Any, plan: EditPlan) -> tuple[list[str], list[str]]:
+    """(rules that fired, rules that fired nowhere) of a live run, each rule named by its
+    target. A forward rule fired when one of its events ran; a gradient rule is armed (it
+    fires at `trace.backward`), so it counts as fired when it matched a site."""
+    fired, unfired = [], []
+    ev_of = {}
+    for op in result._ops.values():
+        ev_of[op.label] = op.event_id
+    for rule, site_labels, _applied, _src in resolved:
+        name = repr(rule.target)
+        if rule.signal == "backward":
+            (fired if site_labels else unfired).append(name)
+            continue
+        events = {ev_of.get(lb) for lb in site_labels}
+        (fired if any(e in plan.fired for e in events if e is not None) else unfired).append(name)
+    return fired, unfired
 
 
 def _as_args(inputs: Any) -> tuple:
@@ -130,8 +195,9 @@ def _as_args(inputs: Any) -> tuple:
 
 
 def rerun(trace: Any, model: Any, inputs: Any, recipe: Recipe, *, on_zero_fire: str = "warn",
-          input_kwargs: dict | None = None, check_graph: bool = True) -> Any:
-    """The rerun engine: capture `model(inputs)` again with `recipe` live."""
+          input_kwargs: dict | None = None, check_graph: bool = True, fast_refused: str | None = None) -> Any:
+    """The rerun engine: capture `model(inputs)` again with `recipe` live (`last_run["engine"]`
+    is "rerun"; `fast_refused` names the guard that refused the fast engine, if one was tried)."""
     proto = trace._backend
     saved = [o.label for o in trace._ops.values() if o.saved]
     save: Any = "all" if len(saved) == len(trace._ops) else (saved or "none")
@@ -145,8 +211,11 @@ def rerun(trace: Any, model: Any, inputs: Any, recipe: Recipe, *, on_zero_fire: 
         capture = trace.options
     else:
         capture = CaptureOptions()
-    return live_capture(proto, model, _as_args(inputs), dict(input_kwargs or {}), recipe, save=save, capture=capture,
-                        on_zero_fire=on_zero_fire, zero_fire_code="rerun_zero_fire", check_graph=check_graph)
+    result = live_capture(proto, model, _as_args(inputs), dict(input_kwargs or {}), recipe, save=save, capture=capture,
+                          on_zero_fire=on_zero_fire, zero_fire_code="rerun_zero_fire", check_graph=check_graph,
+                          engine="rerun")
+    result.__dict__["_intervention"]["last_run"]["fast_refused"] = fast_refused
+    return result
 
 
 def module_rule_parts(target: Any) -> tuple[str, int | None] | None:
@@ -159,6 +228,30 @@ def module_rule_parts(target: Any) -> tuple[str, int | None] | None:
     if base and token.isdigit():
         return base, int(token)
     return target.address, None
+
+
+def _refuse_alias_spellings(model: Any, addresses: list[str]) -> None:
+    """A module address that is not a canonical `named_modules()` name but reaches a module
+    (an alias attribute) refuses, as it does on a trace (`bind_static_anchor_unresolved`)."""
+    named = getattr(model, "named_modules", None)
+    if not callable(named):
+        return
+    canonical = {id(m): (a or "self") for a, m in named()}
+    names = set(canonical.values())
+    for address in addresses:
+        if address in names:
+            continue
+        obj: Any = model
+        for part in address.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and id(obj) in canonical:
+            from torchlens.errors import SelectorCompositionError
+
+            raise SelectorCompositionError(
+                "bind_static_anchor_unresolved", f"{address!r} is an alias of module {canonical[id(obj)]!r}; a forward "
+                "cannot tell which name it called the module through",
+                remedy=f"select the canonical name tl.module({canonical[id(obj)]!r})", address=address,
+                canonical=canonical[id(obj)])
 
 
 class BoundModel:
@@ -210,6 +303,8 @@ class BoundModel:
     def _run(self, call: Any, args: tuple, kwargs: dict) -> Any:
         proto = self._proto(args, kwargs)
         module_rules = self._module_rules()
+        if module_rules is not None:
+            _refuse_alias_spellings(self._model, [a for a, _c, _e in module_rules])
         if module_rules is not None and hasattr(proto, "attach_module_edits"):
             ops = proto.edit_ops()
             fired: dict[int, int] = {}

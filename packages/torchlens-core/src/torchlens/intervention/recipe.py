@@ -30,6 +30,12 @@ class Rule:
                                     remedy="Rule(target, edit)")
         object.__setattr__(self, "target", _check_site(target))
         object.__setattr__(self, "edit", as_edit(edit))
+        if self.edit.signal == "forward" and self.signal != "forward":  # reads recorded forward state
+            raise InterventionError("edit_signal_mismatch", f"{self.edit.name} reads recorded forward state; it cannot "
+                                    f"edit the gradient site {_site_repr(self.target)}",
+                                    remedy="use a neutral edit on gradient sites (tl.scale, tl.zero_ablate, tl.clamp, "
+                                    "tl.replace_with, a callable fn(tensor, *, ctx))", edit=self.edit.name,
+                                    target=_site_repr(self.target))
 
     @property
     def signal(self) -> str:

@@ -99,6 +99,9 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         _warn_root(trace, st)
         st["recipe"] = Recipe(st["recipe"].rules + tuple(rules))
         _audit(st, engine, resolved)
+        for row, r in zip(st["audit"][-len(resolved):], rules):
+            if r.signal == "backward":  # no hook can reach a graph already built: it waits for a rerun's backward
+                row["armed_for"] = "next_rerun"
         return trace
     if engine == "rerun":
         from torchlens.intervention.live import rerun
@@ -109,6 +112,8 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         _adopt(trace, result)
         st = _state(trace)
         st["recipe"] = new_recipe
+        st["steered_digest"] = new_recipe.digest
+        st["live_armed"] = result.__dict__["_intervention"].get("live_armed", ())
         st["last_run"] = result.__dict__["_intervention"]["last_run"]
         _audit(st, engine, resolved)
         if loss is not None:
@@ -139,6 +144,11 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         op = trace._ops[label]
         op._outputs = tuple(outs)
         op.saved = True
+    if trace._output_state is None and any(trace._ops[lb].kind == "output" for lb in changed):
+        trace._output, trace._output_state = None, "output_not_stored"  # the live return is the clean value
+        trace.__dict__["_output_reason"] = "edited"
+    if steered_digest(trace) == st["recipe"].digest:  # the values reflected the recipe; now they reflect the new one
+        st["steered_digest"] = Recipe(st["recipe"].rules + tuple(rules)).digest
     st["recipe"] = Recipe(st["recipe"].rules + tuple(rules))
     st["last_run"] = {"engine": "replay", "origins": sorted(plan, key=lambda lb: trace._ops[lb].index),
                       "cone": list(changed), "reexecuted": reexecuted, "num_reexecuted": len(reexecuted),
@@ -152,10 +162,42 @@ def _zero_fire(policy: str, code: str, rules: list[Rule], trace: Any = None) -> 
 
     hints = [h for h in (no_match_hint(trace, r.target) for r in rules) if h]
     msg = "the intervention matched no site: " + ", ".join(repr(r.target) for r in rules) + "".join(f" ({h})" for h in hints)
+    extra = _non_tensor_module_output(trace, rules)
+    if extra:
+        msg += f"; {extra['reason_detail']}"
     if policy == "error":
-        raise InterventionError(code, msg, remedy="check the selector against trace.labels", hints=hints)
+        raise InterventionError(code, msg, remedy="check the selector against trace.labels", hints=hints, **extra)
     if policy == "warn":
-        warnings.warn(f"[{code}] {msg}", RuntimeWarning, stacklevel=4)
+        from torchlens.errors import ZeroFireWarning
+
+        warnings.warn(ZeroFireWarning(code, msg, remedy="check the selector against trace.labels", hints=hints, **extra),
+                      stacklevel=4)
+
+
+def _non_tensor_module_output(trace: Any, rules: list[Rule]) -> dict[str, str]:
+    """`reason="module_output_not_tensor"` and a sentence, when a plain module rule fired
+    nowhere because the module ran but returned no tensor (a distribution object): the
+    module's calls recorded no output op. The sentence names the ops to target instead."""
+    from torchlens.intervention.live import module_rule_parts
+
+    if trace is None:
+        return {}
+    for r in rules:
+        parts = module_rule_parts(r.target)
+        mod = trace._modules.get(parts[0]) if parts else None
+        if mod is None or not mod.calls or any(c.output_labels for c in mod.calls):
+            continue
+        inside = [trace._ops[lb] for c in mod.calls for lb in c.op_labels if lb in trace._ops]
+        def checks_only(o: Any) -> bool:  # a validity check of the output object (bool ops), not a value
+            return str(o.dtype or "").endswith("bool")
+
+        kids = {o.label: [trace._ops[c] for c in o.children if c in trace._ops] for o in inside}
+        leaving = [o.label for o in inside if not checks_only(o) and o.kind == "op" and all(
+            checks_only(c) or mod.address not in (c.modules or ()) for c in kids[o.label])]
+        detail = (f"module {mod.address!r} output is not a tensor; target its parameter ops instead"
+                  + (f" ({', '.join(leaving[:6])})" if leaving else ""))
+        return {"reason": "module_output_not_tensor", "reason_detail": detail}
+    return {}
 
 
 def _warn_root(trace: Any, st: dict) -> None:
@@ -228,7 +270,14 @@ def fork(trace: Any, name: str | None = None) -> Any:
         m.calls = [new._module_calls[c.label] for c in m.calls]
     old = _state(trace)
     new.__dict__["_intervention"] = {"recipe": old["recipe"], "audit": list(old["audit"]), "warned": True,
-                                     "last_run": old["last_run"], "is_fork": True}
+                                     "last_run": old["last_run"], "is_fork": True,
+                                     "direct_writes": list(old.get("direct_writes", [])),
+                                     "direct_write_dirty": bool(old.get("direct_write_dirty")),
+                                     "steered_digest": steered_digest(trace), "live_armed": old.get("live_armed", ())}
+    if new._output_state is None:  # a fork has no live forward return of its own (glossary: Trace.output)
+        new._output = None
+        new._output_state = "output_not_stored"
+        new.__dict__["_output_reason"] = "fork"
     return new
 
 
@@ -269,15 +318,98 @@ def recipe(trace: Any) -> Recipe:
 
 
 def is_pristine(trace: Any) -> bool:
-    return not _state(trace)["audit"]
+    """Read from the evidence the trace carries (its audit rows and direct writes, both
+    saved with it): True only when nothing ever intervened."""
+    st = _state(trace)
+    return not st["audit"] and not st.get("direct_writes") and not st.get("direct_write_dirty")
+
+
+def note_direct_write(trace: Any, label: str) -> bool:
+    """Record a direct write (`op.out = v`) as evidence; True the first time for this trace."""
+    st = _state(trace)
+    writes = st.setdefault("direct_writes", [])
+    if label not in writes:
+        writes.append(label)
+    first = not st.get("direct_write_dirty")
+    st["direct_write_dirty"] = True
+    return first
+
+
+def restore_state(trace: Any, saved: dict) -> None:
+    """Give a loaded trace the intervention state its artifact saved (recipe and evidence)."""
+    st = _state(trace)
+    st["recipe"] = saved["recipe"]
+    st["audit"] = list(saved["audit"])
+    st["steered_digest"] = saved["recipe"].digest if saved["steered"] else None
+    if saved["direct_writes"]:
+        st["direct_writes"] = list(saved["direct_writes"])
+        st["direct_write_dirty"] = True
+
+
+def unapplied_gradient_rules(trace: Any) -> list[Rule]:
+    """The gradient rules of the trace's recipe that its recorded backward graph does not
+    carry (only a live capture or rerun with the rule arms hooks on the graph it builds)."""
+    st = trace.__dict__.get("_intervention")
+    if st is None:
+        return []
+    live = set(st.get("live_armed", ()))
+    return [r for r in st["recipe"].rules if r.signal == "backward" and r.identity() not in live]
+
+
+def refuse_placeholders(rules: Any) -> None:
+    """A rule whose edit or target is a saved placeholder for user code cannot run: refuse
+    (`run_intervention_spec_not_persisted`, naming the rule) before anything runs."""
+    from torchlens.io.intervention import not_persisted
+    from torchlens.select.selectors import PlaceholderSelector
+
+    for i, r in enumerate(rules):
+        if r.edit.portability == "placeholder":
+            raise not_persisted(i, str(dict(r.edit.kwargs).get("qualname") or r.edit.name))
+        if isinstance(r.target, PlaceholderSelector):
+            raise not_persisted(i, r.target.text)
+
+
+_FAST_FALLBACK = ("run_capability_unavailable", "rerun_graph_diverged", "output_structure_mismatch")
+
+
+def steered_digest(trace: Any) -> str | None:
+    """The digest of the recipe the trace's recorded values reflect (a plain capture: the
+    empty recipe's; None when unknown)."""
+    st = _state(trace)
+    return st.get("steered_digest", Recipe().digest)
 
 
 def run(trace: Any, model: Any, inputs: Any, /, *, input_kwargs: dict | None = None, on_zero_fire: str = "warn") -> Any:
-    """Re-execute `model` on `inputs` with this trace's recipe live; returns a new Trace."""
-    from torchlens.intervention.live import rerun
+    """Re-execute `model` on `inputs` with this trace's recipe live; returns a new Trace.
 
-    result = rerun(trace, model, inputs, _state(trace)["recipe"], on_zero_fire=on_zero_fire, input_kwargs=input_kwargs,
-                   check_graph=False)
+    A trace that saved a selection of sites, or stages an intervention, tries the guarded fast
+    rerun first (`last_run["engine"] == "guarded_fast"`) and falls back to the capture engine
+    on a typed refusal (`engine == "rerun"`, `fast_refused == "<code>:<stage>"`)."""
+    from torchlens.intervention.fast import fast_rerun
+    from torchlens.intervention.live import _as_args, rerun
+
+    recipe_ = _state(trace)["recipe"]
+    refuse_placeholders(recipe_.rules)
+    fast_refused = None
+    saved_all = all(o.saved for o in trace._ops.values())
+    if recipe_.rules or not saved_all:
+        try:
+            result = fast_rerun(trace, model, _as_args(inputs), dict(input_kwargs or {}), recipe_, steered_digest(trace))
+        except InterventionError as exc:
+            if exc.code not in _FAST_FALLBACK or "stage" not in exc.fields:
+                raise
+            fast_refused = f"{exc.code}:{exc.fields['stage']}"
+        else:
+            st = _state(result)
+            st["is_fork"] = True
+            unfired = [r for r in recipe_.rules if repr(r.target) in st["last_run"]["hooks_unfired"]]
+            _audit(st, "guarded_fast", [(r, [] if r in unfired else resolve_site(trace, r.target), r.edit, "module_hook")
+                                        for r in recipe_.rules])
+            if unfired:
+                _zero_fire(on_zero_fire, "rerun_zero_fire", unfired, trace)
+            return result
+    result = rerun(trace, model, inputs, recipe_, on_zero_fire=on_zero_fire, input_kwargs=input_kwargs,
+                   check_graph=False, fast_refused=fast_refused)
     st = _state(result)
     st["recipe"] = _state(trace)["recipe"]
     st["is_fork"] = True

@@ -32,6 +32,7 @@ from torchlens.io import blobfile, ownership, publish
 from torchlens.io.codec import EncodedPayload, backend_codec, codec_named
 from torchlens.io.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_MANIFEST_BYTES, check_manifest, malformed, parse_json,
                                    read_bounded, render)
+from torchlens.io.intervention import RECIPE_BLOB
 from torchlens.io.schema import RECORD_KINDS, SCHEMA_DIGEST, SCHEMAS, Decoder, Encoder, check_table, site_key
 
 LEVELS = ("full",)
@@ -50,6 +51,9 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
     target = _as_path(path)
     proof = _check_save_target(target, overwrite)
     codec = backend_codec(trace._backend) if trace._backend is not None else backend_codec(None)
+    from torchlens.io.intervention import trace_recipe_body, write_recipe_files
+
+    recipe = trace_recipe_body(trace)  # the staged recipe and touch history (refusals before anything is written)
     enc = Encoder(codec)
     tables = encode_tables(trace, enc)
     shards = _shard(enc.payloads)
@@ -77,6 +81,8 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
             name = f"records/{kind}.json"
             publish.write_file(tmp / name, data, sync=False)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        if recipe is not None:
+            files.update(write_recipe_files(tmp, *recipe))
 
         def write(item: tuple[str, list[tuple[str, EncodedPayload]]]) -> tuple[str, int, str]:
             name, entries = item
@@ -202,9 +208,13 @@ def _slot(obj: Any, name: str) -> Any:
 def encode_tables(trace: Any, enc: Encoder) -> dict[str, dict[str, Any]]:
     """Every record of `trace` as typed tables (payloads collected in `enc`)."""
     prov, cost = trace.provenance, trace.cost
+    annotations = dict(trace.annotations)
+    armed = len(trace.armed_edits) if "_intervention" in trace.__dict__ else 0
+    if armed:  # the saved trace keeps its armed gradient rules (intervention.json) and says how many
+        annotations["armed_gradient_edits"] = armed
     tables = {
         "trace": _table("trace", [_row(enc, "trace", {"name": trace.name, "uncalled_modules": trace.uncalled_modules,
-                                                       "options": trace.options, "annotations": trace.annotations}, 0)]),
+                                                       "options": trace.options, "annotations": annotations}, 0)]),
         "provenance": _table("provenance", [_row(enc, "provenance", {c: getattr(prov, c) for c, _ in SCHEMAS["provenance"]}, 0)]),
         "cost": _table("cost", [_row(enc, "cost", {c: getattr(cost, c) for c, _ in SCHEMAS["cost"]}, 0)]),
     }
@@ -299,9 +309,15 @@ def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
         raise ArtifactError("record_reference_invalid", "payload records exist that no record references",
                             remedy="the records are damaged; save the trace again")
     _check_disclosures(manifest, tables, dec)
+    from torchlens.intervention.verbs import restore_state
+    from torchlens.io.intervention import read_trace_recipe
     from torchlens.io.rebuild import rebuild_trace
 
-    return rebuild_trace(rows, manifest, attach_backend=decode)
+    state = read_trace_recipe(bundle, files, manifest["backend"]["name"])
+    trace = rebuild_trace(rows, manifest, attach_backend=decode)
+    if state is not None:
+        restore_state(trace, state)
+    return trace
 
 
 def read_manifest(bundle: Path) -> dict[str, Any]:
@@ -377,6 +393,8 @@ def _check_layout(bundle: Path, files: dict[str, Any]) -> None:
                                 remedy="the file was truncated or modified; save the trace again", file=name)
     for entry in os.scandir(bundle):
         rel = entry.name
+        if rel == "intervention.json" and rel in files:
+            continue
         if rel == MANIFEST_NAME or (rel in ("records", "blobs") and entry.is_dir(follow_symlinks=False)):
             if rel in ("records", "blobs"):
                 for sub in os.scandir(entry.path):
@@ -419,7 +437,7 @@ def _payload_rows(rows: list[list[Any]], files: dict[str, Any]) -> dict[str, tup
         if key in out:
             raise ArtifactError("record_schema_invalid", f"payloads[{i}]: duplicate key {key!r}",
                                 remedy="the records are damaged; save the trace again", at=f"payloads[{i}].key")
-        if blob not in files or not blob.startswith("blobs/"):
+        if blob not in files or not blob.startswith("blobs/") or blob == RECIPE_BLOB:
             raise ArtifactError("record_reference_invalid", f"payloads[{i}] names blob {blob!r}, which the manifest does not list",
                                 remedy="the records are damaged; save the trace again", at=f"payloads[{i}].blob")
         if dtype not in blobfile.STORAGE:
@@ -452,7 +470,7 @@ def _read_payloads(bundle: Path, files: dict[str, Any], rows: dict[str, tuple], 
     by_blob: dict[str, list[str]] = {}
     for key, row in rows.items():
         by_blob.setdefault(row[0], []).append(key)
-    names = [n for n in files if n.startswith("blobs/")]
+    names = [n for n in files if n.startswith("blobs/") and n != RECIPE_BLOB]  # the recipe's blob: io.intervention
 
     def read(name: str) -> dict[str, Any]:
         try:

@@ -96,6 +96,8 @@ def _dec_selector_inner(obj: Any, where: str, depth: int) -> Any:
     if kind == "not":
         return ~S.as_selector(_dec_selector(body, where + ".not", depth + 1))
     if kind == "grad":
+        if isinstance(body, dict) and set(body) == {"label"} and isinstance(body["label"], str):
+            return tl.grad(body["label"])  # tl.grad('relu_1_2') keeps its plain label (and its digest)
         return tl.grad(_dec_selector(body, where + ".grad", depth + 1))
     raise _malformed(f"{where}: unknown selector {kind!r:.80}")
 
@@ -251,14 +253,20 @@ def _basis_rows(value: Any, where: str) -> np.ndarray:
                             remedy="save the spec again") from None
 
 
-def _placeholder_edit(name: str, qualname: str) -> Any:
+def _placeholder_edit(name: str, qualname: str, rule: int | None = None) -> Any:
     from torchlens.intervention.edits import Edit
 
     def refuse(v: Any, ctx: Any) -> Any:
-        raise InterventionError("run_intervention_spec_not_persisted", f"the saved rule's edit {qualname or name} is a "
-                                "placeholder (user code is never saved)", remedy="re-create the edit in code and stage it")
+        raise not_persisted(rule, qualname or name)
 
     return Edit(name, (("qualname", qualname),), refuse, portability="placeholder")
+
+
+def not_persisted(rule: int | None, qualname: str) -> InterventionError:
+    """The refusal of a saved rule whose user code (an edit or a predicate) was never saved."""
+    return InterventionError("run_intervention_spec_not_persisted", f"saved rule {rule} ({qualname}) is a placeholder "
+                             "for user code, which is never saved; it cannot run", remedy="re-create the edit in code, "
+                             "clear_edits() the placeholder, and stage the new edit", rule=rule, qualname=qualname)
 
 
 # save / load -----------------------------------------------------------------------------------
@@ -270,9 +278,82 @@ def _rules_of(obj: Any) -> tuple[list[Any], Any]:
     return list(obj.recipe.rules), obj
 
 
+def encode_rules(rules: list[Any], backend: Any, *, level: str) -> tuple[list[dict[str, Any]], "_Writer"]:
+    """The rules as typed JSON records (and their tensors, collected in the returned writer).
+    A built-in edit keeps its helper name and arguments; user code (a hook, a `tl.where`
+    predicate) is a placeholder holding its position and qualified name, allowed only at
+    `level="audit"`: below it, `OpaqueCallableError` (`intervention_spec_not_portable`)."""
+    from torchlens.errors import OpaqueCallableError
+    from torchlens.intervention.edits import check_tensors_unchanged
+    from torchlens.intervention.subspace import lower
+
+    w = _Writer(backend_codec(backend))
+    out_rules = []
+    for i, rule in enumerate(rules):
+        check_tensors_unchanged(rule.edit)
+        site, edit, _ = lower(rule.target, rule.edit)
+        try:
+            target = _enc_selector(site)
+        except InterventionError:
+            if level != "audit":
+                raise OpaqueCallableError(
+                    "intervention_spec_not_portable", f"rule {i} targets {site!r}, a predicate that runs user code",
+                    remedy="select with label, func, module or in_module selectors, or save at level='audit'",
+                    rule=i) from None
+            target = {"placeholder": repr(site)[:400]}
+        if edit.portability != "builtin":
+            if level != "audit":
+                raise OpaqueCallableError(
+                    "intervention_spec_not_portable",
+                    f"rule {i} ({edit.name}) runs user or session code, which a portable spec cannot hold",
+                    remedy="use built-in helpers (zero_ablate, steer, replace_with, ...) or save at level='audit'", rule=i)
+            qual = dict(edit.kwargs).get("fn", dict(edit.kwargs).get("qualname", edit.name))
+            out_rules.append({"target": target, "edit": {"name": edit.name, "portability": "placeholder",
+                                                         "qualname": _qualname(qual)}})
+            continue
+        try:
+            kwargs = [[k, w.value(v)] for k, v in edit.kwargs]
+        except InterventionError as exc:  # an argument with no portable form (a trace, a module)
+            if level != "audit":
+                raise OpaqueCallableError("intervention_spec_not_portable", f"rule {i} ({edit.name}): {exc.message}",
+                                          remedy=exc.remedy or "save at level='audit'", rule=i) from None
+            out_rules.append({"target": target, "edit": {"name": edit.name, "portability": "placeholder",
+                                                         "qualname": edit.identity()[:400]}})
+            continue
+        out_rules.append({"target": target, "edit": {"name": edit.name, "portability": "builtin", "kwargs": kwargs}})
+    return out_rules, w
+
+
+def _qualname(obj: Any) -> str:
+    """A callable's `module.qualname` (text only; never used to look anything up)."""
+    if isinstance(obj, str):
+        return obj[:400]
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or type(obj).__qualname__
+    mod = getattr(obj, "__module__", None)
+    return (f"{mod}.{name}" if mod else str(name))[:400]
+
+
+def write_recipe_files(tmp: Path, body: dict[str, Any], w: "_Writer") -> dict[str, dict[str, Any]]:
+    """Write `intervention.json` (and `blobs/recipe-0000.safetensors` when the rules hold
+    tensors) into the stage `tmp`; return their manifest entries."""
+    from torchlens.io import publish
+
+    files: dict[str, dict[str, Any]] = {}
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    publish.write_file(tmp / "intervention.json", data, sync=False)
+    files["intervention.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    if w.entries:
+        name = RECIPE_BLOB
+        size, digest = blobfile.write_blob(str(tmp / name), w.entries, {"format": "tlspec-blob", "codec": "mixed"})
+        files[name] = {"sha256": digest, "size": size}
+    return files
+
+
+RECIPE_BLOB = "blobs/recipe-0000.safetensors"
+
+
 def save_intervention(obj: Any, path: Any, *, level: str = "portable", overwrite: bool = False, kind: str | None = None) -> Path:
     """Write a trace's staged recipe (kind "intervention") or a Recipe (kind "recipe")."""
-    from torchlens.intervention.subspace import lower
     from torchlens.io import publish
     from torchlens.io.bundle import _as_path, _begin, _check_save_target, _finish, _torchlens_version, write_failed
 
@@ -282,40 +363,14 @@ def save_intervention(obj: Any, path: Any, *, level: str = "portable", overwrite
     rules, trace = _rules_of(obj)
     kind = kind or ("recipe" if trace is None else "intervention")
     backend = trace._backend if trace is not None else None
-    w = _Writer(backend_codec(backend))
-    out_rules = []
-    for i, rule in enumerate(rules):
-        from torchlens.intervention.edits import check_tensors_unchanged
-
-        check_tensors_unchanged(rule.edit)
-        site, edit, _ = lower(rule.target, rule.edit)
-        if edit.portability != "builtin":
-            if level == "portable":
-                raise InterventionError("intervention_spec_not_portable",
-                                        f"rule {i} ({edit.name}) runs user or session code, which a portable spec cannot hold",
-                                        remedy="use built-in helpers (zero_ablate, steer, replace_with, ...) or save at level='audit'")
-            qual = dict(edit.kwargs).get("fn", edit.name)
-            out_rules.append({"target": _enc_selector(site), "edit": {"name": edit.name, "portability": "placeholder",
-                                                                      "qualname": str(qual)}})
-            continue
-        kwargs = [[k, w.value(v)] for k, v in edit.kwargs]
-        out_rules.append({"target": _enc_selector(site), "edit": {"name": edit.name, "portability": "builtin",
-                                                                  "kwargs": kwargs}})
+    out_rules, w = encode_rules(rules, backend, level=level)
     target = _as_path(path)
     proof = _check_save_target(target, overwrite)
     st = _begin(target)
     tmp = st.path
     try:
         (tmp / "blobs").mkdir()
-        files: dict[str, dict[str, Any]] = {}
-        body = json.dumps({"schema": SCHEMA, "rules": out_rules, "tensors": w.table}, separators=(",", ":"),
-                          allow_nan=False).encode()
-        publish.write_file(tmp / "intervention.json", body, sync=False)
-        files["intervention.json"] = {"sha256": hashlib.sha256(body).hexdigest(), "size": len(body)}
-        if w.entries:
-            name = "blobs/recipe-0000.safetensors"
-            size, digest = blobfile.write_blob(str(tmp / name), w.entries, {"format": "tlspec-blob", "codec": "mixed"})
-            files[name] = {"sha256": digest, "size": size}
+        files = write_recipe_files(tmp, {"schema": SCHEMA, "rules": out_rules, "tensors": w.table}, w)
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind, "level": level,
                     "torchlens_version": _torchlens_version(),
                     "backend": None if backend is None else backend.name, "rules": len(out_rules), "files": files}
@@ -433,9 +488,10 @@ def _read_body(bundle: Path, entry: dict[str, Any]) -> Any:
     return parse_json(body, "intervention.json", "recipe_record_malformed")
 
 
-def _load_tensors(bundle: Path, m: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
-    files = m["files"]
-    blob_name = "blobs/recipe-0000.safetensors"
+def load_tensors(bundle: Path, files: dict[str, Any], backend_name: str, table: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's tensors from `blobs/recipe-0000.safetensors`, checked against the tensor
+    table (names, dtypes, shapes against byte spans) and the manifest's size and sha256."""
+    blob_name = RECIPE_BLOB
     if not table:
         if blob_name in files:
             raise ArtifactError("artifact_file_unlisted", f"{blob_name} is listed but the spec holds no tensors",
@@ -463,7 +519,7 @@ def _load_tensors(bundle: Path, m: dict[str, Any], table: dict[str, Any]) -> dic
     tensors: dict[str, Any] = {}
     for tname, info in table.items():
         payload = blobfile.payload_from_storage(blob, tname, info["dtype"], tuple(info["shape"]), info["meta"])
-        codec = codec_named(info["codec"], m["backend"] or "")
+        codec = codec_named(info["codec"], backend_name)
         try:
             tensors[tname] = codec.decode(payload)
         except TorchLensError:
@@ -479,7 +535,6 @@ def load_intervention_spec(path: Any) -> InterventionSpec:
     """Load a saved intervention or recipe spec. The manifest is checked strictly, every file
     is checked against it (size before anything is read, sha256 before anything is decoded),
     and every refusal is a typed `ArtifactError`. Memory stays proportional to the files."""
-    from torchlens.intervention.recipe import Recipe, Rule
     from torchlens.io.bundle import _as_path
 
     bundle = _as_path(path)
@@ -494,22 +549,43 @@ def load_intervention_spec(path: Any) -> InterventionSpec:
     if len(doc["rules"]) != m["rules"]:
         raise ArtifactError("manifest_disclosure_mismatch", f"the manifest counts {m['rules']} rules, the spec holds "
                             f"{len(doc['rules'])}", remedy="the spec was modified; save it again")
-    reader = _Reader(_load_tensors(bundle, m, doc["tensors"]))
+    reader = _Reader(load_tensors(bundle, files, m["backend"] or "", doc["tensors"]))
+    allow = m["kind"] == "intervention" and m["level"] == "audit"
+    recipe, hooks = decode_rules(doc["rules"], reader, allow_placeholders=allow)
+    return InterventionSpec(m["kind"], m["level"], recipe, hooks)
+
+
+def decode_rules(doc_rules: list[Any], reader: "_Reader", *, allow_placeholders: bool) -> tuple[Any, tuple[HookSpec, ...]]:
+    """Rebuild rules from their records: selectors from the closed selector vocabulary, edits
+    from the fixed set of built-in helpers; a placeholder (user code) loads only where
+    `allow_placeholders` (else `recipe_audit_only`) and refuses to run
+    (`run_intervention_spec_not_persisted`). Nothing in the file is imported or called."""
+    from torchlens.intervention.recipe import Recipe, Rule
+    from torchlens.select.selectors import PlaceholderSelector
+
     rules, hooks = [], []
-    for i, r in enumerate(doc["rules"]):
+    for i, r in enumerate(doc_rules):
         where = f"rules[{i}]"
         if not isinstance(r, dict) or set(r) != {"target", "edit"} or not isinstance(r["edit"], dict):
             raise ArtifactError("recipe_record_malformed", f"{where} is malformed", remedy="save the spec again")
-        site = _dec_selector(r["target"], where + ".target")
+        t = r["target"]
+        placeholder_site = isinstance(t, dict) and set(t) == {"placeholder"}
+        if placeholder_site:
+            if type(t["placeholder"]) is not str or len(t["placeholder"]) > 400:
+                raise ArtifactError("recipe_record_malformed", f"{where}.target is malformed", remedy="save the spec again")
+            site = PlaceholderSelector(t["placeholder"], i)
+        else:
+            site = _dec_selector(t, where + ".target")
         e = r["edit"]
+        if e.get("portability") == "placeholder" or placeholder_site:
+            if not allow_placeholders:
+                raise ArtifactError("recipe_audit_only", f"{where} holds a callable placeholder; only an audit-level "
+                                    "intervention spec may", remedy="re-create the edit in code", rule=i)
         if e.get("portability") == "placeholder":
             if not (set(e) == {"name", "portability", "qualname"} and type(e["name"]) is str
-                    and type(e["qualname"]) is str):
+                    and type(e["qualname"]) is str and len(e["qualname"]) <= 400 and len(e["name"]) <= 400):
                 raise ArtifactError("recipe_record_malformed", f"{where}.edit is malformed", remedy="save the spec again")
-            if m["kind"] == "recipe" or m["level"] != "audit":
-                raise ArtifactError("recipe_audit_only", f"{where} holds a callable placeholder; only an audit-level "
-                                    "intervention spec may", remedy="re-create the edit in code")
-            edit = _placeholder_edit(e["name"], e["qualname"])
+            edit = _placeholder_edit(e["name"], e["qualname"], i)
             helper = HelperRecord(edit.name, (), "placeholder", e["qualname"])
         else:
             if not (set(e) == {"name", "portability", "kwargs"} and e["portability"] == "builtin"
@@ -524,8 +600,70 @@ def load_intervention_spec(path: Any) -> InterventionSpec:
             helper = HelperRecord(edit.name, edit.kwargs, "builtin")
         rules.append(Rule(site, edit))
         hooks.append(HookSpec(site, helper))
-    return InterventionSpec(m["kind"], m["level"], Recipe(tuple(rules)), tuple(hooks))
+    return Recipe(tuple(rules)), tuple(hooks)
 
 
 def _malformed(why: str) -> ArtifactError:
     return ArtifactError("recipe_record_malformed", why, remedy="save the spec again")
+
+
+# the recipe saved with a trace -------------------------------------------------------------------
+TRACE_SCHEMA = "tl.trace-intervention/1"
+_HISTORY_KEYS = {"audit", "direct_writes", "steered"}
+_MAX_HISTORY = 100_000
+
+
+def trace_recipe_body(trace: Any) -> tuple[dict[str, Any], "_Writer"] | None:
+    """What `Trace.save` writes as `intervention.json`: the staged recipe (user code as
+    placeholders, so nothing is dropped) and the touch history `is_pristine` reads (the
+    intervention audit and the ops written directly). None for a trace nothing touched."""
+    st = trace.__dict__.get("_intervention")
+    if st is None or not (st["recipe"].rules or st["audit"] or st.get("direct_writes")):
+        return None
+    out_rules, w = encode_rules(list(st["recipe"].rules), trace._backend, level="audit")
+    from torchlens.intervention.verbs import steered_digest
+
+    history = {"audit": _plain(st["audit"], "audit"), "direct_writes": list(st.get("direct_writes", [])),
+               "steered": steered_digest(trace) == st["recipe"].digest}  # the saved values reflect the recipe
+    return {"schema": TRACE_SCHEMA, "rules": out_rules, "tensors": w.table, "history": history}, w
+
+
+def _plain(value: Any, where: str, depth: int = 0) -> Any:
+    """A JSON-plain copy of an audit row (numbers, text, lists, maps with text keys)."""
+    if depth > 8:
+        raise ArtifactError("recipe_record_malformed", f"{where} nests too deep", remedy="save the trace again")
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        return value if np.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where, depth + 1) for v in value]
+    if isinstance(value, dict) and all(type(k) is str for k in value):
+        return {k: _plain(v, where, depth + 1) for k, v in value.items()}
+    return repr(value)[:400]
+
+
+def read_trace_recipe(bundle: Path, files: dict[str, Any], backend_name: str) -> dict[str, Any] | None:
+    """The intervention state a saved trace carries (recipe, audit, direct writes), read with
+    the spec loader's rules: size and sha256 first, strict JSON, the closed helper and selector
+    vocabularies, placeholders that refuse to run. None when the artifact has no recipe."""
+    if "intervention.json" not in files:
+        if RECIPE_BLOB in files:
+            raise ArtifactError("artifact_file_unlisted", f"{RECIPE_BLOB} is listed without intervention.json",
+                                remedy="save the trace again", file=RECIPE_BLOB)
+        return None
+    doc = _read_body(bundle, files["intervention.json"])
+    if not (isinstance(doc, dict) and set(doc) == {"schema", "rules", "tensors", "history"} and doc["schema"] == TRACE_SCHEMA
+            and isinstance(doc["rules"], list) and isinstance(doc["tensors"], dict) and isinstance(doc["history"], dict)
+            and set(doc["history"]) == _HISTORY_KEYS):
+        raise _malformed("intervention.json does not hold a trace's rule list, tensor table and history")
+    h = doc["history"]
+    if not (isinstance(h["audit"], list) and len(h["audit"]) <= _MAX_HISTORY
+            and all(isinstance(r, dict) and all(type(k) is str for k in r) for r in h["audit"])
+            and isinstance(h["direct_writes"], list) and len(h["direct_writes"]) <= _MAX_HISTORY
+            and all(type(x) is str for x in h["direct_writes"]) and type(h["steered"]) is bool):
+        raise _malformed("intervention.json's history is malformed")
+    reader = _Reader(load_tensors(bundle, files, backend_name, doc["tensors"]))
+    recipe, _ = decode_rules(doc["rules"], reader, allow_placeholders=True)
+    return {"recipe": recipe, "audit": [dict(r) for r in h["audit"]], "direct_writes": list(h["direct_writes"]),
+            "steered": h["steered"]}

@@ -19,7 +19,7 @@ FORMAT = "tlspec"
 FORMAT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-_FILE_RE = re.compile(r"^(records/[a-z_]+\.json|blobs/[A-Za-z0-9_-]+\.safetensors)$")
+_FILE_RE = re.compile(r"^(records/[a-z_]+\.json|intervention\.json|blobs/[A-Za-z0-9_-]+\.safetensors)$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _KEYS = {"format", "format_version", "kind", "level", "schema_digest", "torchlens_version", "backend", "codec",
          "counts", "disclosures", "files"}

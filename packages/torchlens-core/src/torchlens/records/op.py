@@ -85,13 +85,15 @@ class Op:
 
         self._outputs = tuple(value) if self.multi_output else (value,)
         self.saved = True
-        from torchlens.intervention.verbs import _state
+        from torchlens.intervention.verbs import note_direct_write
 
-        st = _state(self._trace)
-        if not st.get("direct_write_dirty"):
-            st["direct_write_dirty"] = True
+        if note_direct_write(self._trace, self.label):
             warnings.warn(f"direct write to {self.label}.out bypasses the intervention recipe; the trace is now "
                           "DIRECT_WRITE_DIRTY (use trace.do for an auditable edit)", TraceMutationWarning, stacklevel=2)
+
+    def do(self, site: Any, edit: Any = None, /, **kwargs: Any) -> Any:
+        """`Trace.do` on this op's trace (same signature: the site first, positional-only)."""
+        return self._trace.do(site, edit, **kwargs)
 
     @property
     def grad(self) -> Any:
@@ -195,6 +197,10 @@ class Layer:
         self.module = module
         self.modules = modules
         self.ops = []
+
+    def do(self, site: Any, edit: Any = None, /, **kwargs: Any) -> Any:
+        """`Trace.do` on this layer's trace (same signature: the site first, positional-only)."""
+        return self._trace.do(site, edit, **kwargs)
 
     @property
     def ops(self) -> list[Op]:

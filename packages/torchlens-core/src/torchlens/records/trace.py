@@ -156,8 +156,13 @@ class Trace:
     def output(self) -> Any:
         """The model's return value exactly as the model returned it."""
         if self._output_state is not None:
-            raise PayloadUnavailableError(self._output_state, "this trace holds no live model output",
-                                          remedy="capture again with tl.trace(model, x)")
+            reason = self.__dict__.get("_output_reason") or {"output_not_stored": "loaded"}.get(self._output_state, "")
+            why = {"fork": "a fork has no live forward return (its values may be edited)",
+                   "edited": "a replay edit changed this trace's outputs; the live forward return is the clean value",
+                   "loaded": "a loaded or unpickled trace holds no live model output"}.get(reason, "this trace holds no "
+                                                                                             "live model output")
+            raise PayloadUnavailableError(self._output_state, why, remedy="capture again with tl.trace(model, x), or read "
+                                          "the output ops' saved values (trace.output_ops[0].out)", reason=reason)
         return self._output
 
     @property
@@ -292,7 +297,22 @@ class Trace:
         return fn
 
     def backward(self, loss: Any, **kwargs: Any) -> Any:
-        """Run the backward pass from `loss` and fill `op.grad` for saved ops."""
+        """Run the backward pass from `loss` and fill `op.grad` for saved ops. Gradient rules
+        staged on this trace after its capture (`engine="set_only"`) cannot reach a graph that
+        is already built: they refuse (`backward_armed_edit_unapplied`) rather than let the
+        backward run without them."""
+        from torchlens.intervention.verbs import unapplied_gradient_rules
+
+        pending = unapplied_gradient_rules(self)
+        if pending:
+            from torchlens.errors import InterventionError
+
+            raise InterventionError(
+                "backward_armed_edit_unapplied", f"{len(pending)} gradient rule(s) staged after this capture "
+                f"({', '.join(repr(r.target) for r in pending[:3])}) cannot be applied to its recorded backward graph",
+                remedy="apply them on a rerun: trace.do(tl.grad(site), edit, model=model, inputs=x, loss=...), or "
+                "capture with intervene=tl.when(tl.grad(site), edit); trace.clear_edits() drops them",
+                rules=[repr(r.target) for r in pending])
         return self._verb("backward")(self, loss, **kwargs)
 
     def validate_forward_pass(self) -> bool:
@@ -314,6 +334,13 @@ class Trace:
 
         return save(self, path, level=level, overwrite=overwrite)
 
+    def save_intervention(self, path: Any, level: str = "portable", overwrite: bool = False) -> Any:
+        """Write this trace's staged recipe alone as a `.tlspec` directory of kind
+        "intervention" (`tl.load` / `tl.io.load_intervention_spec` read it back)."""
+        from torchlens.io.intervention import save_intervention
+
+        return save_intervention(self, path, level=level, overwrite=overwrite)
+
     # interventions -----------------------------------------------------------------------
     def do(self, site: Any, edit: Any = None, /, *, model: Any = None, inputs: Any = None, intervention: Any = None,
            input_kwargs: dict | None = None, loss: Any = None) -> "Trace":
@@ -333,6 +360,19 @@ class Trace:
         from torchlens.intervention.verbs import fork
 
         return fork(self, name)
+
+    def __enter__(self) -> "Trace":
+        """`with trace.fork() as scoped:` stages edits for the block; on exit the edits the
+        block staged are detached (the recipe returns to what it was on entry)."""
+        from torchlens.intervention.verbs import _state
+
+        self.__dict__.setdefault("_scopes", []).append(_state(self)["recipe"])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from torchlens.intervention.verbs import _state
+
+        _state(self)["recipe"] = self.__dict__["_scopes"].pop()
 
     def clear_edits(self, site: Any = None, handle: Any = None, *, strict: bool = False) -> "Trace":
         from torchlens.intervention.verbs import clear_edits

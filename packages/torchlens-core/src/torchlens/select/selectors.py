@@ -194,8 +194,12 @@ def _module_and_call(trace: "Trace", address: str) -> tuple[str, int | None]:
     if address in trace._modules:
         return address, None
     for m in trace._modules.values():
-        if address in m.all_addresses and address != m.address:
-            return m.address, None
+        if base in m.all_addresses and base != m.address:  # an alias spelling: no hook can tell the names apart
+            raise SelectorCompositionError(
+                "bind_static_anchor_unresolved", f"{address!r} is an alias of module {m.address!r}; a forward cannot "
+                "tell which name it called the module through", remedy=f"select the canonical name tl.module({m.address!r}) "
+                "(it fires at every call site of the module)", address=address, canonical=m.address,
+                aliases=list(m.all_addresses))
     import difflib
 
     close = difflib.get_close_matches(address, list(trace._modules), n=3)
@@ -333,6 +337,24 @@ class WhereSelector(Selector):
         parts = [getattr(self.predicate, "__name__", "predicate")] if self.predicate else []
         parts += [f"{k}={v!r}" for k, v in self.fields]
         return f"tl.where({', '.join(parts)})"
+
+
+@dataclass(frozen=True, repr=False)
+class PlaceholderSelector(Selector):
+    """A loaded rule's target that was user code (a `tl.where` predicate): only its text was
+    saved, so it cannot match anything. Resolving it raises `run_intervention_spec_not_persisted`."""
+
+    text: str
+    rule: int | None = None
+    kind = "placeholder"
+
+    def match_set(self, trace):
+        from torchlens.io.intervention import not_persisted
+
+        raise not_persisted(self.rule, self.text)
+
+    def __repr__(self):
+        return f"<placeholder {self.text}>"
 
 
 @dataclass(frozen=True, repr=False)
