@@ -18,21 +18,22 @@ SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"
 
 #: Names the built areas provide (glossary, interventions, facets and mech-interp pages).
 BUILT = frozenset("""
-torchlens.Recipe torchlens.Selection torchlens.Selector torchlens.add torchlens.add_noise torchlens.all_sites
+torchlens.Edit torchlens.Recipe torchlens.Selection torchlens.Selector torchlens.add torchlens.add_noise torchlens.all_sites
 torchlens.appliances.names torchlens.appliances.register torchlens.backends.BackendProtocol
 torchlens.backends.FrameworkRequirement torchlens.backends.REFUSAL_CODES torchlens.backends.VALIDATION_REASONS
 torchlens.backends.jax torchlens.backends.torch torchlens.clamp torchlens.clip_norm torchlens.errors.AmbiguousAxisError
 torchlens.errors.AmbiguousOpLookupError torchlens.errors.ReentrantTraceError torchlens.export torchlens.export.safetensors
-torchlens.func torchlens.grad torchlens.in_module torchlens.intervention.BoundModel torchlens.intervention.Rule
+torchlens.func torchlens.grad torchlens.in_module torchlens.intervention.BoundModel torchlens.intervention.Rule torchlens.intervention.compose
 torchlens.intervention.keep_grad torchlens.intervention.scramble_elements torchlens.intervention.set_affine_coordinates
 torchlens.intervention.subspace_ablate torchlens.intervention.subspace_interchange torchlens.io.detect_tlspec_format
 torchlens.io.load_intervention_spec torchlens.io.read_safetensors torchlens.io.save_intervention torchlens.label
 torchlens.label_contains torchlens.label_matches torchlens.load torchlens.mean_ablate torchlens.mechinterp
 torchlens.model_input torchlens.model_output torchlens.module torchlens.options torchlens.options.CaptureOptions
 torchlens.options.InterventionOptions torchlens.patch_from torchlens.positions torchlens.project_onto
-torchlens.project_out torchlens.replace_with torchlens.report.doctor torchlens.scale torchlens.steer torchlens.subspace
+torchlens.project_out torchlens.replace_with torchlens.report.doctor torchlens.scale torchlens.splice_module torchlens.steer torchlens.subspace
 torchlens.sweep torchlens.trace torchlens.types torchlens.types.AttributeWrite torchlens.types.UnencodableValue
-torchlens.units torchlens.validate torchlens.validation.validate_tlspec torchlens.viz.Drawing torchlens.when
+torchlens.units torchlens.validate
+torchlens.validation.validate_forward_pass torchlens.validation.validate_tlspec torchlens.viz.Drawing torchlens.when
 torchlens.where torchlens.zero_ablate
 """.split())
 

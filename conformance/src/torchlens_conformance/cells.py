@@ -25,7 +25,9 @@ from torchlens.backends import (
     BackendCapabilities,
     BackendProtocol,
     BackendUnsupportedError,
+    SupportsHostValues,
     missing_members,
+    supports,
 )
 from torchlens.capture import OPTION_CAPABILITY, PUBLIC_TRACE_OPTIONS
 from torchlens_conformance.zoo import REFERENCE_ULPS, ZooEntry, load_zoo, reference_tolerance
@@ -60,7 +62,19 @@ class Context:
             entry.reseed()
         return tl.trace(entry.model, *entry.args, input_kwargs=entry.kwargs, backend=self.spec.name, **kw)
 
+    def entries(self) -> list[ZooEntry]:
+        """Every zoo entry; a backend that supplies no models fails the cell (a loop over an
+        empty zoo must never pass)."""
+        check(bool(self.zoo), "the backend supplies no models (BackendSpec.zoo is missing or empty)")
+        return list(self.zoo.values())
+
+    def first(self, prefer: str | None = None) -> ZooEntry:
+        """The `prefer` role when the zoo has it, else its first entry (failing on an empty zoo)."""
+        entries = self.entries()
+        return (self.zoo.get(prefer) or entries[0]) if prefer else entries[0]
+
     def role(self, name: str) -> ZooEntry:
+        self.entries()
         entry = self.zoo.get(name)
         check(entry is not None, f"the backend's zoo has no {name!r} model")
         return entry
@@ -121,8 +135,12 @@ def c0_framework_requirement_consistent(ctx: Context) -> Outcome:
 
 
 def c0_refusal_codes_registered(ctx: Context) -> Outcome:
-    extra = set(ctx.proto.refusal_codes()) - REFUSAL_CODES
+    declared = set(ctx.proto.refusal_codes())
+    extra = declared - REFUSAL_CODES
     check(not extra, f"codes outside REFUSAL_CODES: {sorted(extra)}")
+    for flag, value in ctx.proto.capabilities().as_dict().items():  # derived from capabilities(), as core does
+        code = CAPABILITY_REFUSALS[flag]
+        check(value != (code in declared), f"{flag}={value} but refusal_codes() {'lists' if value else 'omits'} {code}")
     return PASSED
 
 
@@ -137,8 +155,7 @@ def c0_capability_table_complete(ctx: Context) -> Outcome:
 # tier 1 ---------------------------------------------------------------------------------
 
 def c1_graph_integrity(ctx: Context) -> Outcome:
-    check(bool(ctx.zoo), "the backend ships no zoo")
-    for entry in ctx.zoo.values():
+    for entry in ctx.entries():
         t = ctx.trace(entry)
         labels = [o.label for o in t.ops]
         check(len(labels) == len(set(labels)), f"{entry.name}: duplicate op labels")
@@ -160,7 +177,7 @@ def c1_graph_integrity(ctx: Context) -> Outcome:
 
 def c1_intermediates_match(ctx: Context) -> Outcome:
     at_tolerance = []
-    for entry in ctx.zoo.values():
+    for entry in ctx.entries():
         if entry.reseed is not None:
             entry.reseed()
         ref = ctx.proto.reference_output(entry.model, entry.args, entry.kwargs)
@@ -182,7 +199,7 @@ def c1_intermediates_match(ctx: Context) -> Outcome:
 
 
 def c1_shape_metadata_matches_payload(ctx: Context) -> Outcome:
-    for entry in ctx.zoo.values():
+    for entry in ctx.entries():
         t = ctx.trace(entry)
         for op in t.ops:
             for i, v in enumerate(op.outs):
@@ -199,7 +216,7 @@ def _validate(ctx: Context, t: Any) -> Any:
 
 def c1_validation_passes(ctx: Context) -> Outcome:
     ctx.proto.capabilities().refuse_unless("validation_replay")
-    for entry in ctx.zoo.values():
+    for entry in ctx.entries():
         t = ctx.trace(entry)
         status = _validate(ctx, t)
         check(bool(status), f"{entry.name}: validation failed at {status.first_failure} ({status.reason})")
@@ -208,7 +225,7 @@ def c1_validation_passes(ctx: Context) -> Outcome:
 
 def c1_validation_names_reason(ctx: Context) -> Outcome:
     ctx.proto.capabilities().refuse_unless("validation_replay")
-    entry = ctx.zoo.get("mlp") or next(iter(ctx.zoo.values()))
+    entry = ctx.first("mlp")
     t = ctx.trace(entry)
     victim = next(o for o in t.ops if o.kind == "op" and o.parents and not o.multi_output)
     h = ctx.host(victim.out)
@@ -222,9 +239,11 @@ def c1_validation_names_reason(ctx: Context) -> Outcome:
 
 
 def _like(ctx: Context, original: Any, values: np.ndarray) -> Any:
-    """A framework value holding `values`, built the way the backend's payloads are."""
-    codec = getattr(ctx.proto, "from_host", None)
-    return codec(values, like=original) if codec is not None else values
+    """A framework value holding `values`, built the way the backend's payloads are
+    (`SupportsHostValues.from_host`; a backend without it keeps numpy payloads)."""
+    if supports(ctx.proto, SupportsHostValues):
+        return ctx.proto.from_host(values, like=original)
+    return values
 
 
 def c1_constant_parents_recorded(ctx: Context) -> Outcome:
@@ -252,7 +271,7 @@ def c1_rng_consumed_once(ctx: Context) -> Outcome:
 
 
 def c1_no_silent_gap(ctx: Context) -> Outcome:
-    for entry in ctx.zoo.values():
+    for entry in ctx.entries():
         t = ctx.trace(entry)
         check(t.provenance.verified, f"{entry.name}: capture not verified ({t.provenance.verification_reason})")
         for op in t.ops:
@@ -284,7 +303,7 @@ def refusal_cell(flag: str) -> Callable[[Context], Outcome]:
     code = CAPABILITY_REFUSALS[flag]
 
     def cell(ctx: Context) -> Outcome:
-        entry = next(iter(ctx.zoo.values()))
+        entry = ctx.first()
         try:
             _CAPABILITY_REQUEST[flag](ctx, entry)
         except BackendUnsupportedError as exc:
@@ -298,7 +317,7 @@ def refusal_cell(flag: str) -> Callable[[Context], Outcome]:
 
 def option_refusal_cell(option: str) -> Callable[[Context], Outcome]:
     def cell(ctx: Context) -> Outcome:
-        entry = next(iter(ctx.zoo.values()))
+        entry = ctx.first()
         try:
             ctx.trace(entry, **{option: object()})
         except BackendUnsupportedError as exc:
@@ -341,7 +360,7 @@ def c2_payload_values_equal(ctx: Context) -> Outcome:
     gap = _durable_unavailable()
     if gap is not None:
         return gap
-    for entry in ctx.zoo.values():
+    for entry in ctx.entries():
         t, loaded = _roundtrip(ctx, entry)
         check(loaded.labels == t.labels, f"{entry.name}: labels changed on load")
         for a, b in zip(t.ops, loaded.ops):
@@ -358,7 +377,7 @@ def c2_validation_after_load(ctx: Context) -> Outcome:
     if gap is not None:
         return gap
     ctx.proto.capabilities().refuse_unless("validation_replay")
-    for entry in ctx.zoo.values():
+    for entry in ctx.entries():
         _, loaded = _roundtrip(ctx, entry)
         status = _validate(ctx, loaded)
         check(bool(status), f"{entry.name}: validation after load failed at {status.first_failure} ({status.reason})")

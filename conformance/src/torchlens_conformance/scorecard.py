@@ -3,6 +3,12 @@
 Computes the backend's scorecard by running every cell, and writes it as `scorecard.json`
 into the backend's package (shipped in its wheel). `--check` recomputes and exits non-zero
 on any difference from the shipped record, so the record is a tested fact.
+
+Cell outcomes and capability coverage are reported apart: a refusal cell that passes proves
+the backend refuses a capability typed, not that it has it. The record's `coverage` says
+`supported k/n` and names every unsupported (and untested) capability; `cell_counts`
+says how many passed cells only verify a refusal. `--summary` prints both from the shipped
+record; `--write` and `--check` print them too.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import json
 import sys
 from typing import Any
 
-from torchlens.report.scorecard import scorecard_path
+from torchlens.report.scorecard import scorecard_path, summary_lines
 from torchlens_conformance.cells import cells_for, make_context, run_cell, tier_of
 
 SCHEMA = "torchlens_scorecard_v1"
@@ -32,8 +38,28 @@ def compute(name: str) -> dict[str, Any]:
                       "below": ctx.spec.framework.below, "pinned": ctx.spec.framework.pinned},
         "cells": cells,
         "highest_tier": highest_tier(cells),
-        "capabilities": capability_summary(ctx.proto, cells),
+        "capabilities": (caps := capability_summary(ctx.proto, cells)),
+        "coverage": coverage(caps),
+        "cell_counts": cell_counts(cells),
     }
+
+
+def coverage(capabilities: dict[str, str]) -> dict[str, Any]:
+    """Capability coverage, apart from cell outcomes: how many of the capability flags the
+    backend supports, and each one it does not (refused typed) or that is untested."""
+    supported = sorted(f for f, v in capabilities.items() if v == "supported")
+    unsupported = sorted(f for f, v in capabilities.items() if v == "unsupported")
+    untested = sorted(f for f, v in capabilities.items() if v == "untested")
+    return {"supported": len(supported), "total": len(capabilities), "supported_capabilities": supported,
+            "unsupported": unsupported, "untested": untested}
+
+
+def cell_counts(cells: dict[str, dict]) -> dict[str, int]:
+    """Cells by outcome; `refusal_checks` counts the passed cells that only verify a refusal."""
+    out = {k: sum(1 for c in cells.values() if c["outcome"] == k) for k in ("passed", "failed", "unsupported")}
+    out["total"] = len(cells)
+    out["refusal_checks"] = sum(1 for cid, c in cells.items() if cid.startswith("c1_refusal_") and c["outcome"] == "passed")
+    return out
 
 
 def highest_tier(cells: dict[str, dict]) -> int:
@@ -67,7 +93,8 @@ def graduation_report(record: dict[str, Any]) -> str:
     unsupported = [c for c, v in cells.items() if v["outcome"] == "unsupported"]
     lines = [f"graduation report for {record['backend']} ({record['maturity']})",
              f"  highest tier: {record['highest_tier']} (durable is 2)",
-             f"  cells: {sum(v['outcome'] == 'passed' for v in cells.values())}/{len(cells)} passed"]
+             f"  cells: {sum(v['outcome'] == 'passed' for v in cells.values())}/{len(cells)} passed",
+             f"  capabilities: {coverage(record['capabilities'])['supported']}/{len(record['capabilities'])} supported"]
     lines += [f"  failed: {c}: {cells[c]['detail']}" for c in failed]
     lines += [f"  unsupported: {c}: {cells[c]['detail']}" for c in unsupported]
     ready = not failed and not unsupported and record["highest_tier"] == 2
@@ -88,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--write", action="store_true", help="write the shipped scorecard.json")
     mode.add_argument("--check", action="store_true", help="recompute and fail on any difference")
     mode.add_argument("--graduation", action="store_true", help="print the graduation report from the shipped record")
+    mode.add_argument("--summary", action="store_true",
+                      help="print cell outcomes and capability coverage from the shipped record")
     args = parser.parse_args(argv)
     try:
         spec = tl.backends.get_spec(args.backend)
@@ -96,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     path = scorecard_path(spec)
-    if args.graduation:
+    if args.graduation or args.summary:
         if path is None or not path.is_file():
             print(f"no shipped scorecard for {args.backend}", file=sys.stderr)
             return 1
-        print(graduation_report(json.loads(path.read_text())))
+        shipped = json.loads(path.read_text())
+        print(graduation_report(shipped) if args.graduation else "\n".join(summary_lines(shipped)))
         return 0
     record = compute(args.backend)
     text = _dump(record)
@@ -110,18 +140,23 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         path.write_text(text)
         print(f"wrote {path}")
+        print("\n".join(summary_lines(record)))
         return 0
     if args.check:
         shipped = path.read_text() if path is not None and path.is_file() else None
         if shipped != text:
             print(f"scorecard for {args.backend} differs from the shipped record {path}", file=sys.stderr)
             if shipped is not None:
-                old = json.loads(shipped)["cells"]
+                old_record = json.loads(shipped)
+                old = old_record.get("cells", {})
                 for cid, cell in record["cells"].items():
                     if old.get(cid) != cell:
                         print(f"  {cid}: shipped {old.get(cid)} now {cell}", file=sys.stderr)
+                if old_record.get("coverage") != record["coverage"]:
+                    print(f"  coverage: shipped {old_record.get('coverage')} now {record['coverage']}", file=sys.stderr)
             return 1
         print(f"scorecard for {args.backend} matches {path}")
+        print("\n".join(summary_lines(record)))
         return 0
     print(text, end="")
     return 0

@@ -208,5 +208,5 @@ def test_subspace_ablate_and_interchange(mlp):
     a = base.fork().do("linear_1_1", tl.intervention.subspace_ablate(basis))["linear_1_1"].out
     h = base["linear_1_1"].out
     assert np.allclose(a[:, :2], 0) and np.allclose(a[:, 2:], h[:, 2:])
-    b = base.fork().do("linear_1_1", tl.intervention.subspace_interchange(donor, basis))["linear_1_1"].out
+    b = base.fork().do("linear_1_1", tl.intervention.subspace_interchange(basis, donor))["linear_1_1"].out
     assert np.allclose(b[:, :2], donor["linear_1_1"].out[:, :2]) and np.allclose(b[:, 2:], h[:, 2:])

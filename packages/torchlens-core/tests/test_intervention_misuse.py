@@ -111,7 +111,8 @@ BAD = {
     "mean_ablate(source nan)": (lambda: tl.mean_ablate(np.array([NAN]), dim=0), "edit_argument_invalid"),
     "scramble(seed str)": (lambda: tl.intervention.scramble_elements("1"), "edit_argument_invalid"),
     "splice_module(in)": (lambda: tl.intervention.splice_module(abs, input_route="in"), "edit_argument_invalid"),
-    "positions(slice)": (lambda: tl.positions(tl.zero_ablate(), slice(0, 2)), "position_edit_invalid"),
+    "positions(slice step 0)": (lambda: tl.positions(tl.zero_ablate(), slice(0, 2, 0)), "position_edit_invalid"),
+    "positions(float)": (lambda: tl.positions(tl.zero_ablate(), 1.5), "position_edit_invalid"),
     "positions([])": (lambda: tl.positions(tl.zero_ablate(), []), "position_edit_invalid"),
     "positions(mask)": (lambda: tl.positions(tl.zero_ablate(), [0], mask=np.ones(3, bool)), "position_edit_invalid"),
     "keep_grad(None)": (lambda: tl.intervention.keep_grad(None), "keep_grad_edit_invalid"),
@@ -122,7 +123,7 @@ BAD = {
     "units(float mask)": (lambda: tl.units("s", np.ones(3)), "edit_argument_invalid"),
     "affine(bias wrong shape)": (lambda: tl.intervention.set_affine_coordinates(np.ones((1, 8)), bias=np.ones(2)),
                                  "affine_source_invalid"),
-    "subspace_interchange(array)": (lambda: tl.intervention.subspace_interchange(np.ones(3), np.eye(2)),
+    "subspace_interchange(array)": (lambda: tl.intervention.subspace_interchange(np.eye(2), np.ones(3)),
                                     "patch_source_invalid"),
 }
 

@@ -65,13 +65,17 @@ def test_plugin_with_unknown_hook_is_plugin_invalid():
     assert info.value.code == "plugin_invalid"
 
 
-def test_entry_point_that_fails_to_import_names_its_distribution():
+def test_entry_point_that_fails_to_import_is_skipped_and_named():
+    """(Issue 14: a broken third-party plugin is skipped with a coded warning, not fatal;
+    test_backend_contract_plugins.py covers it with a real fake distribution.)"""
+    from torchlens.errors import PluginWarning
+
     ep = metadata.EntryPoint(name="broken", value="torchlens_no_such_module.plugin", group="torchlens")
     pm = PluginManager()
-    with pytest.raises(PluginError) as info:
+    with pytest.warns(PluginWarning) as rec:
         pm._load_entry_point(ep, "torchlens")
-    assert info.value.code == "plugin_invalid"
-    assert "broken" in str(info.value)
+    assert rec[0].message.code == "plugin_skipped" and "broken" in str(rec[0].message)
+    assert [p.status for p in pm.plugins if p.name == "broken"] == ["broken"]
 
 
 def test_appliance_registry_refusals():

@@ -244,7 +244,8 @@ def test_validation_names_the_changed_parameter():
     status = trace.validation_replay_status
     assert status.reason == "replay_param_changed_since_capture" and status.reason in tl.backends.VALIDATION_REASONS
     assert status.first_failure == "linear_1_1" and "0.weight" in status.detail
-    assert status.decisions[-1]["param"] in ("0.weight", "0.bias")
+    first = next(d for d in status.decisions if d["ok"] is False)  # validation checks every op; the first failure
+    assert first["op"] == "linear_1_1" and first["param"] in ("0.weight", "0.bias")
 
 
 # helper arguments ---------------------------------------------------------------------------
@@ -277,7 +278,8 @@ BAD_HELPERS = {
     "mean_ablate(source str)": (lambda: tl.mean_ablate("x", dim=0), "edit_argument_invalid"),
     "scramble(seed -1)": (lambda: tl.intervention.scramble_elements(-1), "edit_argument_invalid"),
     "zero_ablate(allow str)": (lambda: tl.zero_ablate(allow_shape_change="yes"), "edit_argument_invalid"),
-    "positions(str)": (lambda: tl.positions(tl.zero_ablate(), "last"), "position_edit_invalid"),
+    "positions(str)": (lambda: tl.positions(tl.zero_ablate(), "middle"), "position_edit_invalid"),
+    "positions(last, no mask)": (lambda: tl.positions(tl.zero_ablate(), "last"), "transform_mask_missing"),
     "positions(bool)": (lambda: tl.positions(tl.zero_ablate(), [True]), "position_edit_invalid"),
     "keep_grad(5)": (lambda: tl.intervention.keep_grad(5), "keep_grad_edit_invalid"),
     "patch_from(tensor)": (lambda: tl.patch_from(torch.ones(3)), "patch_source_invalid"),

@@ -128,3 +128,16 @@ def test_zero_fire_on_a_distribution_output_says_why():
     (w,) = [c.message for c in caught if isinstance(c.message, tl.errors.ZeroFireWarning)]
     assert w.code == "trace_zero_fire" and w.fields["reason"] == "module_output_not_tensor"
     assert isinstance(w, RuntimeWarning)
+
+
+def test_autograd_group_counts_backward_passes_and_survives_save(mlp, tmp_path):
+    """glossary l. 20: trace.autograd holds the backward records (issue 13, fact groups)."""
+    model, x = mlp
+    t = tl.trace(model, x, capture=tl.CaptureOptions(backward_ready=True, save_grads=True))
+    assert t.autograd.backward_passes == 0 and not t.autograd.has_grads
+    t.backward(t.output.sum())
+    expect = tuple(o.label for o in t.ops if o.has_grad)
+    assert expect and t.autograd.ops_with_grads == expect
+    assert t.autograd.backward_passes == 1 and t.autograd.has_backward_pass and t.autograd.has_grads
+    t.save(tmp_path / "t.tlspec")
+    assert tl.load(tmp_path / "t.tlspec").autograd == t.autograd

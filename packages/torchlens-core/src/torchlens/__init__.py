@@ -13,6 +13,7 @@ from torchlens import errors, options
 from torchlens.capture import trace
 from torchlens.check import validate
 from torchlens.intervention import (
+    Edit,
     Recipe,
     add,
     add_noise,
@@ -24,6 +25,7 @@ from torchlens.intervention import (
     project_out,
     replace_with,
     scale,
+    splice_module,
     steer,
     positions,
     subspace,
@@ -95,7 +97,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "trace", "validate", "CaptureOptions", "InterventionOptions", "Recipe", "when", "zero_ablate", "scale", "add",
     "clamp", "add_noise", "mean_ablate", "replace_with", "steer", "project_onto", "project_out", "clip_norm",
-    "patch_from", "swap_with", "subspace", "units", "sweep", "positions", "errors", "options", "hookimpl",
+    "patch_from", "swap_with", "subspace", "units", "sweep", "positions", "Edit", "splice_module", "errors", "options", "hookimpl",
     "Trace", "Op", "Layer", "Module", "ModuleCall", "Param", "Buffer",
     "Selection", "Selector", "func", "grad", "module", "in_module", "label", "label_contains", "label_matches", "where",
     "model_input", "model_output", "all_sites", "__version__",

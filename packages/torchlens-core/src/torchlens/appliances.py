@@ -1,56 +1,79 @@
-"""Appliances: named analysis kits served by `trace.using(name)`."""
+"""Appliances: named analysis kits served by `trace.using(name)`.
+
+The table lives in the plugin manager (`PluginManager.appliance_table`), next to the
+backends: plugins contribute through the `torchlens_appliances` hook, applications through
+`register`. This module checks names and factories and binds an appliance to a trace.
+"""
 
 from __future__ import annotations
 
 import importlib
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torchlens.errors import PluginError
 
-_REGISTRY: dict[str, tuple[Any, str]] = {}
-_loaded_plugins = False
+
+@dataclass(frozen=True)
+class ApplianceSpec:
+    """One appliance: `factory(trace)` returns it bound to a trace (or `factory` is a lazily
+    imported `"module:attribute"` path to such a callable)."""
+
+    name: str
+    factory: Callable[[Any], Any] | str
+    summary: str = ""
+
+
+def _name_ok(name: Any) -> bool:
+    return isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_]*", name) is not None
+
+
+def _factory_ok(factory: Any) -> bool:
+    return callable(factory) or (isinstance(factory, str) and ":" in factory)
+
+
+def as_appliance_spec(item: Any) -> ApplianceSpec | None:
+    """`item` as an ApplianceSpec (from a spec or a `(name, factory[, summary])` tuple), or
+    None when it is malformed."""
+    if isinstance(item, ApplianceSpec):
+        spec = item
+    elif isinstance(item, tuple) and len(item) in (2, 3):
+        spec = ApplianceSpec(item[0], item[1], item[2] if len(item) == 3 else "")
+    else:
+        return None
+    ok = _name_ok(spec.name) and _factory_ok(spec.factory) and isinstance(spec.summary, str)
+    return spec if ok else None
+
+
+def _manager() -> Any:
+    from torchlens.plugins.manager import get_plugin_manager
+
+    return get_plugin_manager()
 
 
 def register(name: str, factory: Callable[[Any], Any] | str, summary: str = "", replace: bool = False) -> None:
     """Register `factory(trace)` (or a lazily imported `"module:attribute"`) as `name`."""
-    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+    if not _name_ok(name):
         raise PluginError("appliance_registration_invalid", f"appliance name {name!r} is not a lowercase identifier",
                           remedy="use a name like 'mechinterp'", name=repr(name))
-    if not (callable(factory) or (isinstance(factory, str) and ":" in factory)):
+    if not _factory_ok(factory):
         raise PluginError("appliance_registration_invalid", "an appliance factory is a callable or 'module:attribute'",
                           remedy="register(name, lambda trace: Kit(trace))", name=name)
-    if name in _REGISTRY and not replace:
-        raise PluginError("appliance_name_taken", f"appliance {name!r} is already registered",
-                          remedy="pass replace=True to override it", name=name)
-    _REGISTRY[name] = (factory, summary)
-
-
-def _load_plugins() -> None:
-    global _loaded_plugins
-    if _loaded_plugins:
-        return
-    _loaded_plugins = True
-    from torchlens.plugins.manager import get_plugin_manager
-
-    for item in get_plugin_manager().appliances():
-        name, factory, summary = (tuple(item) + ("",))[:3]
-        if name not in _REGISTRY:
-            register(name, factory, summary)
+    _manager().register_appliance(name, factory, summary, replace=replace)
 
 
 def names() -> dict[str, str]:
     """Registered appliance names with their summaries."""
-    _load_plugins()
-    return {n: s for n, (_, s) in sorted(_REGISTRY.items())}
+    return {n: s for n, (_, s) in sorted(_manager().appliance_table().items())}
 
 
 def bind(name: str, trace: Any) -> Any:
-    _load_plugins()
-    entry = _REGISTRY.get(name)
+    table = _manager().appliance_table()
+    entry = table.get(name)
     if entry is None:
         raise PluginError("appliance_unknown", f"no appliance named {name!r}",
-                          remedy="registered: " + (", ".join(sorted(_REGISTRY)) or "none"), name=name)
+                          remedy="registered: " + (", ".join(sorted(table)) or "none"), name=name)
     factory = entry[0]
     if isinstance(factory, str):
         mod, _, attr = factory.partition(":")

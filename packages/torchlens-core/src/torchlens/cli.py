@@ -110,20 +110,43 @@ def backend_problem(name: str | None) -> str | None:
 
 
 def _scorecard(args: argparse.Namespace, rest: list[str]) -> int:
-    """Forwarded to `python -m torchlens_conformance.scorecard` (core never imports the suite)."""
+    """With no mode (or `--summary`): cell outcomes and capability coverage of each backend
+    (or the named one) from its shipped record, read by core. Otherwise forwarded to
+    `python -m torchlens_conformance.scorecard` (core never imports the suite)."""
     import importlib.util
     import subprocess
 
-    problem = backend_problem(_backend_arg(rest))
+    name = _backend_arg(rest)
+    problem = backend_problem(name)
     if problem is not None:
         print(f"torchlens scorecard: {problem}", file=sys.stderr)
         return 2
+    modes = {"--write", "--check", "--graduation", "-h", "--help"}
+    if not modes & set(rest):
+        return _scorecard_summary(name)
     if importlib.util.find_spec("torchlens_conformance") is None:
         from torchlens.backends.registry import install_hint
 
         print(f"the conformance suite is not installed: {install_hint('conformance')}", file=sys.stderr)
         return 2
     return subprocess.call([sys.executable, "-m", "torchlens_conformance.scorecard", *rest])
+
+
+def _scorecard_summary(name: str | None) -> int:
+    """Print each backend's cell outcomes and capability coverage from its shipped record."""
+    from torchlens.backends import registry
+    from torchlens.report.scorecard import read_scorecard, summary_lines
+
+    specs = registry.specs()
+    status = 0
+    for backend in [name] if name else sorted(specs):
+        record = read_scorecard(specs[backend])
+        if record is None:
+            print(f"{backend}: no shipped scorecard (python -m torchlens_conformance.scorecard --backend {backend} --write)")
+            status = 1
+            continue
+        print("\n".join(summary_lines(record)))
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--out", default="torchlens_demo.svg",
                       help="picture to write (default torchlens_demo.svg; DOT text in a .gv file when "
                            "graphviz cannot render)")
-    sub.add_parser("scorecard", help="compute or check a backend scorecard (torchlens_conformance)", add_help=False)
+    sub.add_parser("scorecard", help="show backends' cell outcomes and capability coverage; with --write/--check/"
+                                     "--graduation, run torchlens_conformance", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "doctor":
         return _doctor(args)

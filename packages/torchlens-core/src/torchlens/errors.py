@@ -437,6 +437,8 @@ _register("InvalidArgumentError", {
 })
 _register("TraceCaptureError", {
     "capture_nonfinite_detected": "warning (on_nonfinite='warn', once per capture): ops produced NaN or Inf",
+    "capture_compiled_region_eager": "warning: a torch.compile'd submodule ran eagerly op by op during the capture; its "
+                                     "values may differ in the last bits from a compiled call",
 })
 
 # --- area: validation verdicts (issue 12 §1-§2, issue 13 validation scopes) ---
@@ -444,6 +446,22 @@ _register("ValidationError", {
     "backward_validation_carried_graph": "tl.validate(scope='backward'): the backward went through a graph an earlier "
                                          "backward freed, and module attributes (fields['attributes']) hold tensors "
                                          "with autograd history carried between calls",
+})
+
+# --- area: spec fidelity round 2 (issue 13 rest: edit helpers, trace facts, options) ---
+_register("InterventionError", {
+    "subspace_mode_invalid": "subspace_ablate got inconsistent mode arguments (an unknown mode, mode='mean' without "
+                             "mean=, mode='resample' without seed=, or an argument another mode uses)",
+    "transform_mask_missing": "tl.positions with 'first'/'last' got neither mask= nor assume_no_padding=True",
+    "transform_mask_incompatible": "tl.positions: the mask does not describe the value (not a (batch, tokens) array "
+                                   "matching it, or a row with no real token)",
+})
+_register("InvalidArgumentError", {
+    "storage_option_invalid": "a StorageOptions field has a value outside its vocabulary",
+    "recording_option_invalid": "a RecordingOptions field has a value outside its vocabulary",
+})
+_register("ArtifactError", {
+    "subspace_spec_mask_tampered": "a saved subspace or element-mask edit's mask does not match its stored sha256",
 })
 
 

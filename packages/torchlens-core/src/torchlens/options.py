@@ -174,4 +174,154 @@ def as_intervention_options(value: Any) -> InterventionOptions:
                             given=type(value).__name__)
 
 
-__all__ = ["CaptureOptions", "InterventionOptions", "ReplayOptions", "TraceOptions"]
+def _refuse(code: str, opts: Any, name: str, why: str, remedy: str) -> None:
+    raise InvalidArgumentError(code, f"{type(opts).__name__}.{name}={getattr(opts, name)!r:.80} {why}", remedy=remedy,
+                               field=name, options=type(opts).__name__)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_DIRECTIONS = ("TB", "BT", "LR", "RL")
+_LAYOUTS = ("auto", "dot", "rank")
+_FORMATS = ("pdf", "svg", "png", "dot", "gv")
+
+
+@dataclass(frozen=True)
+class VisualizationOptions:
+    """Drawing settings (`Trace.draw`'s keywords as one frozen object; `as_kwargs()` passes
+    them to `trace.draw(**opts.as_kwargs())`). Values outside a field's vocabulary raise
+    `InvalidArgumentError` (`draw_option_invalid`) at construction.
+
+    - `depth`: fold modules deeper than this (None: no folding).
+    - `rolled`: draw one node per layer instead of one per pass.
+    - `direction`: "TB", "BT", "LR" or "RL".
+    - `theme`: a theme name.
+    - `show_legend`: None (automatic), True or False.
+    - `layout`: "auto", "dot" or "rank".
+    - `file_format`: None or "pdf", "svg", "png", "dot", "gv" (for a path with no extension).
+    - `open_viewer`: open the drawing in a viewer after writing it.
+    """
+
+    depth: int | None = None
+    rolled: bool = False
+    direction: str = "TB"
+    theme: str = "light"
+    show_legend: bool | None = None
+    layout: str = "auto"
+    file_format: str | None = None
+    open_viewer: bool = False
+
+    def __post_init__(self) -> None:
+        code = "draw_option_invalid"
+        if self.depth is not None and not (_is_int(self.depth) and self.depth >= 0):
+            _refuse(code, self, "depth", "is not None or an int >= 0", "depth=2 (or None: no folding)")
+        for name in ("rolled", "open_viewer"):
+            if not isinstance(getattr(self, name), bool):
+                _refuse(code, self, name, "is not a bool", f"{name}=True or False")
+        if self.show_legend is not None and not isinstance(self.show_legend, bool):
+            _refuse(code, self, "show_legend", "is not None or a bool", "show_legend=None, True or False")
+        if self.direction not in _DIRECTIONS:
+            _refuse(code, self, "direction", f"is not one of {_DIRECTIONS}", "direction='TB'")
+        from torchlens.viz.themes import THEMES
+
+        if not isinstance(self.theme, str) or self.theme not in THEMES:
+            _refuse(code, self, "theme", f"is not one of {tuple(THEMES)}", "theme='light'")
+        if self.layout not in _LAYOUTS:
+            _refuse(code, self, "layout", f"is not one of {_LAYOUTS}", "layout='auto'")
+        if self.file_format is not None and self.file_format not in _FORMATS:
+            _refuse(code, self, "file_format", f"is not None or one of {_FORMATS}", "file_format='svg'")
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Streaming-storage settings (`storage=tl.to_disk(...)`: payloads written while the
+    capture runs; experimental, names may change). Values outside a field's vocabulary raise
+    `InvalidArgumentError` (`storage_option_invalid`) at construction.
+
+    - `path`: the bundle directory to write (a str or path-like; None: not chosen yet).
+    - `async_writes`: write payloads on one background writer with a bounded queue.
+    - `max_pending_bytes`: queued bytes that block the capture when the disk falls behind
+      (default 256 MiB).
+    - `overwrite`: replace an existing bundle at `path`.
+    """
+
+    path: Any = None
+    async_writes: bool = True
+    max_pending_bytes: int = 256 * 2**20
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        import os
+
+        code = "storage_option_invalid"
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            _refuse(code, self, "path", "is not a path", "path='run.tlspec'")
+        for name in ("async_writes", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                _refuse(code, self, name, "is not a bool", f"{name}=True or False")
+        if not (_is_int(self.max_pending_bytes) and self.max_pending_bytes > 0):
+            _refuse(code, self, "max_pending_bytes", "is not an int > 0", "max_pending_bytes=256 * 2**20")
+
+
+_ON_PREDICATE_ERROR = ("raise", "warn", "skip")
+_ON_FORWARD_ERROR = ("raise", "return_partial")
+
+
+@dataclass(frozen=True)
+class RecordingOptions:
+    """Recorder settings of `tl.record` (`recording=RecordingOptions(...)`, matching
+    `tl.trace`'s `capture=`). Values outside a field's vocabulary raise
+    `InvalidArgumentError` (`recording_option_invalid`) at construction.
+
+    - `default_op` / `default_module` / `default_grad`: what the recorder keeps for an op,
+      a module boundary or a gradient no selector names (a bool, or None: the recorder's
+      default).
+    - `history_size`: recordings kept in the recorder's history (an int >= 0).
+    - `include_source_events`: journal source-code events too.
+    - `max_predicate_failures`: failures of a save predicate tolerated before the recording
+      stops (an int >= 0, or None: no limit).
+    - `on_predicate_error`: "raise", "warn" or "skip".
+    - `on_forward_error`: "raise" or "return_partial".
+    - `postprocess`: None or a callable applied to the finished recording.
+    - `lean`: journal only the events the selection keeps (PROVISIONAL SPELLING).
+    """
+
+    default_op: bool | None = None
+    default_module: bool | None = None
+    history_size: int = 1
+    include_source_events: bool = False
+    max_predicate_failures: int | None = None
+    on_predicate_error: str = "raise"
+    on_forward_error: str = "raise"
+    default_grad: bool | None = None
+    postprocess: Any = None
+    lean: bool = False
+
+    def __post_init__(self) -> None:
+        code = "recording_option_invalid"
+        for name in ("default_op", "default_module", "default_grad"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                _refuse(code, self, name, "is not None or a bool", f"{name}=True, False or None")
+        for name in ("include_source_events", "lean"):
+            if not isinstance(getattr(self, name), bool):
+                _refuse(code, self, name, "is not a bool", f"{name}=True or False")
+        if not (_is_int(self.history_size) and self.history_size >= 0):
+            _refuse(code, self, "history_size", "is not an int >= 0", "history_size=1")
+        if self.max_predicate_failures is not None and not (_is_int(self.max_predicate_failures)
+                                                            and self.max_predicate_failures >= 0):
+            _refuse(code, self, "max_predicate_failures", "is not None or an int >= 0", "max_predicate_failures=10")
+        if self.on_predicate_error not in _ON_PREDICATE_ERROR:
+            _refuse(code, self, "on_predicate_error", f"is not one of {_ON_PREDICATE_ERROR}", "on_predicate_error='raise'")
+        if self.on_forward_error not in _ON_FORWARD_ERROR:
+            _refuse(code, self, "on_forward_error", f"is not one of {_ON_FORWARD_ERROR}", "on_forward_error='raise'")
+        if self.postprocess is not None and not callable(self.postprocess):
+            _refuse(code, self, "postprocess", "is not None or a callable", "postprocess=lambda recording: recording")
+
+
+__all__ = ["CaptureOptions", "InterventionOptions", "RecordingOptions", "ReplayOptions", "StorageOptions", "TraceOptions",
+           "VisualizationOptions"]

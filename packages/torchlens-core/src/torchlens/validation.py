@@ -1,4 +1,5 @@
-"""`tl.validation`: checks of saved artifacts that need no framework."""
+"""`tl.validation`: checks of saved artifacts that need no framework, and the lower-level
+entries of `tl.validate` for one scope each (`validate_forward_pass`, `validate_backward_pass`)."""
 
 from __future__ import annotations
 
@@ -18,4 +19,28 @@ def validate_tlspec(path: Any) -> dict[str, Any]:
     return validate_artifact(path)
 
 
-__all__ = ["validate_tlspec"]
+def validate_forward_pass(model: Any, *args: Any, input_kwargs: dict[str, Any] | None = None,
+                          output_device: str = "same", save_budget: Any = "auto", trace_observer: Any = None,
+                          num_threads: int | None = None, backend: str | None = None) -> bool:
+    """`tl.validate(model, *args, scope="forward", ...)`: capture with everything saved, replay
+    every op from its saved inputs under its recorded RNG state and compare, perturb each
+    input of each op. `output_device` and `save_budget` set the capture's save options."""
+    from torchlens.check import validate
+
+    return validate(model, *args, scope="forward", input_kwargs=input_kwargs, output_device=output_device,
+                    save_budget=save_budget, trace_observer=trace_observer, num_threads=num_threads, backend=backend)
+
+
+def validate_backward_pass(model: Any, *args: Any, input_kwargs: dict[str, Any] | None = None,
+                           trace_observer: Any = None, num_threads: int | None = None,
+                           backend: str | None = None) -> bool:
+    """`tl.validate(model, *args, scope="backward", ...)`: the gradients a traced forward and
+    `trace.backward` give (parameters, inputs, every module output) against a plain backward
+    of the same seeded loss."""
+    from torchlens.check import validate
+
+    return validate(model, *args, scope="backward", input_kwargs=input_kwargs, trace_observer=trace_observer,
+                    num_threads=num_threads, backend=backend)
+
+
+__all__ = ["validate_tlspec", "validate_forward_pass", "validate_backward_pass"]

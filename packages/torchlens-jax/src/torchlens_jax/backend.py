@@ -7,9 +7,14 @@ core events. Core's builder turns them into the Trace.
 
 Randomness: JAX has no hidden random state. A forward that draws random numbers takes its
 key as an input (or holds it as a buffer), the key is recorded like any other value, and
-the random primitives (`random_bits`, `threefry2x32`, ...) replay exactly from it. So the
-capture consumes no randomness of its own and `seed=` has nothing to seed: it refuses with
-`explicit_seed_unsupported`.
+the random primitives (`random_bits`, `threefry2x32`, ...) replay exactly from it: the
+backend declares `rng_replay=True`, and `replay_rng=` is accepted (a bool; keys are always
+recorded, so both values capture the same). The capture consumes no randomness of its own
+and `seed=` has nothing to seed: it refuses with `explicit_seed_unsupported`.
+
+Gradients: `CaptureOptions(backward_ready=True, save_grads=True)` keeps what a backward
+needs; `trace.backward(loss)` then fills every saved op's `grads` with `jax.vjp` over the
+evaluated jaxpr (`torchlens_jax.grads`).
 """
 
 from __future__ import annotations
@@ -22,12 +27,21 @@ from typing import Any, Hashable
 import jax
 import numpy as np
 
-from torchlens.backends import BackendCapabilities, BackendUnsupportedError, ValidationStatus
-from torchlens.build import EventLog, OpEvent, build_trace
-from torchlens.capture import check_requested_capabilities
-from torchlens.build.save import apply_save, save_plan
-from torchlens.errors import InvalidArgumentError, TraceCaptureError
-from torchlens.records.trace import Provenance
+from torchlens.backends.sdk import (
+    BackendCapabilities,
+    BackendUnsupportedError,
+    EventLog,
+    InvalidArgumentError,
+    OpEvent,
+    Provenance,
+    TraceCaptureError,
+    ValidationStatus,
+    apply_save,
+    build_trace,
+    check_requested_capabilities,
+    refusal_codes_for,
+    save_plan,
+)
 from torchlens_jax import __version__
 from torchlens_jax.describe import Description, describe, model_kind
 from torchlens_jax.interpret import Interpreter, Traced, shape_dtype
@@ -140,18 +154,14 @@ class JAXBackend:
     maturity = "preview"
     framework = FRAMEWORK
     materialization = "eager"
-    _OPTIONS = frozenset({"save", "capture"})
-    _REFUSALS = frozenset({
-        "trace_option_unsupported", "explicit_seed_unsupported", "backward_capture_unsupported",
-        "fastlog_unsupported", "interventions_unsupported", "rng_replay_unsupported", "streaming_unsupported",
-        "structure_only_capture_unsupported", "intermediate_derived_grads_unsupported", "runtime_missing",
-        "runtime_version_unsupported", "foreign_tensor_input", "value_dependent_branch_unsupported",
-        "validation_replay_unsupported",
-    })
+    _OPTIONS = frozenset({"save", "capture", "replay_rng"})
+    #: Refusals of this backend beyond those `refusal_codes_for` derives from capabilities().
+    _OWN_REFUSALS = frozenset({"foreign_tensor_input", "value_dependent_branch_unsupported"})
 
     # identity -----------------------------------------------------------------------------------
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(validation_replay=True, payload_materialization=True)
+        return BackendCapabilities(validation_replay=True, payload_materialization=True, backward_capture=True,
+                                   rng_replay=True)
 
     def runtime_available(self) -> str | None:
         cached = self.__dict__.get("_runtime")
@@ -174,7 +184,7 @@ class JAXBackend:
         return self._OPTIONS
 
     def refusal_codes(self) -> frozenset[str]:
-        return self._REFUSALS
+        return refusal_codes_for(self, self._OWN_REFUSALS)
 
     # values ---------------------------------------------------------------------------------------
     def is_tensor(self, value: Any) -> bool:
@@ -217,9 +227,14 @@ class JAXBackend:
     def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
         return model(*args, **kwargs)
 
-    def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None, **options: Any) -> Any:
+    def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
+                replay_rng: bool = True, **options: Any) -> Any:
         # the same pre-capture refusals tl.trace makes, for callers that reach capture directly
         check_requested_capabilities(self, capture, options)
+        if not isinstance(replay_rng, bool):
+            raise InvalidArgumentError("invalid_argument", f"replay_rng= takes a bool, not {type(replay_rng).__name__}",
+                                       remedy="replay_rng=True (JAX keys are recorded inputs: draws always replay)",
+                                       option="replay_rng")
         plan = save_plan(save)
         if model_kind(model) is None:
             raise InvalidArgumentError("model_type_unsupported", f"the jax backend cannot trace a {type(model).__name__}",
@@ -259,8 +274,21 @@ class JAXBackend:
         prov.extra["num_equations"] = len(traced.closed.jaxpr.eqns)
         trace = build_trace(desc.info, log, output=output, provenance=prov, options=capture, backend=self)
         trace.cost.forward_duration = prov.duration
+        if capture is not None and (capture.backward_ready or capture.save_grads):
+            from torchlens_jax.grads import keep_for_backward
+
+            keep_for_backward(trace, traced.out_tree, save_grads=bool(capture.save_grads))  # before save= drops sources
         apply_save(trace, plan)
         return trace
+
+    # gradients ----------------------------------------------------------------------------------------
+    def backward(self, trace: Any, loss: Any = None, **kwargs: Any) -> Any:
+        """Fill `op.grads` of every saved op: the gradient of `loss(output)` (a callable of the
+        model's output pytree returning a scalar; default the sum of its float leaves) with
+        respect to each output slot, by `jax.vjp` over the evaluated jaxpr."""
+        from torchlens_jax.grads import backward
+
+        return backward(trace, loss, **kwargs)
 
     # validation ---------------------------------------------------------------------------------------
     def rebind_op(self, op: Any) -> Any:
@@ -271,7 +299,7 @@ class JAXBackend:
         own data primitives, by name), never from an import. Parameters are data: a
         parameter holding a callable placeholder or an unencodable stand-in (a saved jaxpr,
         callback or custom rule, which a file never carries as code) leaves the op opaque."""
-        from torchlens.types import CallablePlaceholder
+        from torchlens.backends.sdk import CallablePlaceholder
         from torchlens_jax.interpret import PrimitiveCall
 
         name = op.meta.get("primitive") if isinstance(op.meta, dict) else None
@@ -305,7 +333,7 @@ _PRIMITIVES_LOCK = threading.Lock()
 def _plain_data(value: Any, depth: int = 0) -> bool:
     """True when a decoded parameter value holds no callable placeholder and no unencodable
     stand-in at any depth (the decoder yields nothing else that could stand for code)."""
-    from torchlens.types import CallablePlaceholder, UnencodableValue
+    from torchlens.backends.sdk import CallablePlaceholder, UnencodableValue
 
     if isinstance(value, (CallablePlaceholder, UnencodableValue)) or depth > 100:
         return False

@@ -14,8 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from torchlens.errors import ArtifactError
-from torchlens.io.codec import EncodedPayload
+from torchlens.backends.sdk import ArtifactError, EncodedPayload
 
 _PLAIN = {"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "float32",
           "float64", "complex64", "complex128"}

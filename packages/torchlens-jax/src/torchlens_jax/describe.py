@@ -16,7 +16,7 @@ from typing import Any, Callable, Hashable
 import jax
 import numpy as np
 
-from torchlens.build import BufferInfo, ModelInfo, ModuleInfo, ParamInfo
+from torchlens.backends.sdk import BufferInfo, ModelInfo, ModuleInfo, ParamInfo
 
 
 @dataclass

@@ -25,8 +25,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from torchlens.build import ArgRef, EventLog, ModuleEnter, ModuleExit, OpEvent
-from torchlens.errors import BackendUnsupportedError
+from torchlens.backends.sdk import ArgRef, BackendUnsupportedError, EventLog, ModuleEnter, ModuleExit, OpEvent
 from torchlens_jax.scopes import CallTable, call_ids
 
 #: Primitives whose inner jaxpr is evaluated in place (their ops recorded individually).

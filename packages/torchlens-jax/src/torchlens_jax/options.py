@@ -26,7 +26,7 @@ class GradOptions:
 
     def __post_init__(self) -> None:
         if self.wrt not in ("inputs", "params", "both"):
-            from torchlens.errors import InvalidArgumentError
+            from torchlens.backends.sdk import InvalidArgumentError
 
             raise InvalidArgumentError("invalid_argument", f"GradOptions(wrt={self.wrt!r}) is not 'inputs', 'params' or 'both'",
                                        remedy="wrt='inputs'", field="wrt")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torchlens
-from torchlens.backends.protocol import BackendSpec, FrameworkRequirement
+from torchlens.backends.sdk import BackendSpec, FrameworkRequirement
 
 #: Tested on jax 0.10.2 only, so the preview range is the 0.10 series.
 FRAMEWORK = FrameworkRequirement(

@@ -14,8 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from torchlens.backends import ValidationStatus
-from torchlens.build import ArgRef
+from torchlens.backends.sdk import ArgRef, BackendUnsupportedError, ValidationStatus, param_values, refuse_opaque
 
 
 def _host(backend: Any, value: Any) -> np.ndarray:
@@ -34,12 +33,10 @@ def _fail(op: Any, reason: str, decisions: list, counts: dict, detail: str) -> V
 
 
 def validate_trace(backend: Any, trace: Any, ground_truth: Any = None) -> ValidationStatus:
-    from torchlens.io.opaque import refuse_opaque
-
     refuse_opaque(trace, trace.ops)  # a loaded op the primitive table could not re-bind, before any op runs
     _refuse_unreplayable(trace)
     by_event = {op.event_id: op for op in trace.ops}
-    params = {a: p.value for a, p in trace._params.items()}
+    params = param_values(trace)
     decisions: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
     for op in trace.ops:
@@ -52,7 +49,7 @@ def validate_trace(backend: Any, trace: Any, ground_truth: Any = None) -> Valida
                 parent = by_event.get(op.parent_slots[0][0])
                 if parent is None or not parent.saved:
                     return _fail(op, "parent_payload_missing", decisions, counts, "the output's producer has no payload")
-                if not _equal(backend, parent._outputs[op.parent_slots[0][1]], op._outputs[0]):
+                if not _equal(backend, parent.outs[op.parent_slots[0][1]], op.outs[0]):
                     return _fail(op, "replay_mismatch", decisions, counts, "the output differs from its producer")
             continue
         if op.kind != "op":
@@ -67,7 +64,7 @@ def validate_trace(backend: Any, trace: Any, ground_truth: Any = None) -> Valida
             if parent is None or not parent.saved:
                 return _fail(op, "parent_payload_missing", decisions, counts,
                              f"parent event {pid} has no saved payload")
-            parent_vals.append(parent._outputs[slot])
+            parent_vals.append(parent.outs[slot])
         args = []
         for a in op.args_template or ():
             if isinstance(a, ArgRef):
@@ -84,9 +81,9 @@ def validate_trace(backend: Any, trace: Any, ground_truth: Any = None) -> Valida
         except Exception as exc:  # noqa: BLE001 - a replay that raises is a named failure
             return _fail(op, "replay_execution_exception", decisions, counts, f"{type(exc).__name__}: {exc}")
         got_outs = list(got) if getattr(op.func, "multiple_results", False) else [got]
-        if len(got_outs) != len(op._outputs):
+        if len(got_outs) != len(op.outs):
             return _fail(op, "capture_inconsistent", decisions, counts, "replay produced a different number of outputs")
-        for g, saved in zip(got_outs, op._outputs):
+        for g, saved in zip(got_outs, op.outs):
             if not _equal(backend, g, saved):
                 return _fail(op, "replay_mismatch", decisions, counts, "re-executing the op did not reproduce its output")
         decisions.append({"op": op.label, "ok": True, "reason": None, "phase": "replay"})
@@ -97,7 +94,7 @@ def validate_trace(backend: Any, trace: Any, ground_truth: Any = None) -> Valida
             op = outs[0] if outs else next(iter(trace.ops))
             return _fail(op, "capture_inconsistent", decisions, counts, "ground truth has a different number of outputs")
         for t, op in zip(truth, outs):
-            if op.saved and not _equal(backend, t, op._outputs[0]):
+            if op.saved and not _equal(backend, t, op.outs[0]):
                 return _fail(op, "replay_mismatch", decisions, counts, "the output differs from the ground truth")
     return ValidationStatus(True, decisions=decisions, reason_counts=dict(counts))
 
@@ -109,7 +106,6 @@ def _as_array(value: Any) -> Any:
 def _refuse_unreplayable(trace: Any) -> None:
     """A loaded trace holds callable placeholders (artifacts never store code), and the jax
     backend cannot yet rebuild a primitive call from saved records: refuse, typed."""
-    from torchlens.errors import BackendUnsupportedError
     from torchlens_jax.interpret import PrimitiveCall, ScanSlice, ScanStack
 
     for op in trace.ops:

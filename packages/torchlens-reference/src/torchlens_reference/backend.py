@@ -1,4 +1,8 @@
-"""The reference backend: records the reference framework's ops as core events."""
+"""The reference backend: records the reference framework's ops as core events.
+
+Written on `torchlens.backends.sdk` only (the dependency test checks it): it is the model a
+third-party backend copies.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +12,28 @@ from typing import Any
 
 import numpy as np
 
-from torchlens.backends import BackendCapabilities, ValidationStatus
-from torchlens.build import (
+from torchlens.backends.sdk import (
     ArgRef,
+    BackendCapabilities,
     EventLog,
+    InvalidArgumentError,
     ModelInfo,
     ModuleEnter,
     ModuleExit,
     ModuleInfo,
     OpEvent,
     ParamInfo,
+    Provenance,
+    TraceCaptureError,
+    ValidationStatus,
+    apply_save,
     build_trace,
+    check_requested_capabilities,
     fill_template,
+    param_values,
+    refusal_codes_for,
+    save_plan,
 )
-from torchlens.capture import check_requested_capabilities
-from torchlens.build.save import apply_save, save_plan
-from torchlens.errors import InvalidArgumentError, TraceCaptureError
-from torchlens.records.trace import Provenance
 from torchlens_reference import nn, runtime
 from torchlens_reference.plugin import FRAMEWORK
 
@@ -153,7 +162,7 @@ class ReferenceBackend:
 
     def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
         """Bound-executor hooks: edit module outputs as the modules return."""
-        from torchlens.intervention.edits import HookContext
+        from torchlens.backends.sdk import HookContext
 
         addr_of = {id(m): (a or "self") for a, m in model.named_modules()}
         calls: dict[str, int] = {}
@@ -176,7 +185,7 @@ class ReferenceBackend:
         return self._OPTIONS
 
     def refusal_codes(self) -> frozenset[str]:
-        return frozenset({"trace_option_unsupported", "explicit_seed_unsupported", "backward_capture_unsupported"})
+        return refusal_codes_for(self)
 
     def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
         return isinstance(model, nn.Module)
@@ -192,7 +201,7 @@ class ReferenceBackend:
 
     def payload_codec(self) -> Any:
         """Payloads are numpy arrays: core's generic numpy codec saves and loads them."""
-        from torchlens.io.codec import NumpyCodec
+        from torchlens.backends.sdk import NumpyCodec
 
         return NumpyCodec()
 
@@ -249,10 +258,10 @@ class ReferenceBackend:
 
     def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
         """Replay every op on its parents' saved values and compare with its saved output."""
-        from torchlens.io.opaque import refuse_opaque
+        from torchlens.backends.sdk import refuse_opaque
 
-        refuse_opaque(trace, trace._ops.values())  # a loaded op with no callable never runs
-        params = {a: p.value for a, p in trace._params.items()}
+        refuse_opaque(trace, trace.ops)  # a loaded op with no callable never runs
+        params = param_values(trace)
         by_event = {o.event_id: o for o in trace.ops}
         decisions = []
         for op in trace.ops:

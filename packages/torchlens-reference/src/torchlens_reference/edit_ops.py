@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from torchlens.intervention.numpy_ops import NumpyEditOps
+from torchlens.backends.sdk import NumpyEditOps
 
 
 class ReferenceEditOps(NumpyEditOps):

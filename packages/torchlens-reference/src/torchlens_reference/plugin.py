@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torchlens
-from torchlens.backends import BackendSpec, FrameworkRequirement
+from torchlens.backends.sdk import BackendSpec, FrameworkRequirement
 
 
 def _protocol():

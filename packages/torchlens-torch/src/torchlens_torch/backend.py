@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
 import time
 import warnings
@@ -39,10 +40,10 @@ from torchlens.records.trace import Provenance
 from torchlens_torch import __version__
 from torchlens_torch.concurrency import ThreadWatch, exclusive
 from torchlens_torch.describe import MODULE_INTERNALS, describe_model
-from torchlens_torch.interceptor import CaptureMode, Recorder, _run_root, install_module_hooks, remove_module_hooks
+from torchlens_torch.interceptor import Recorder, _run_root, capture_mode, install_module_hooks, remove_module_hooks
 from torchlens_torch.plugin import FRAMEWORK
 from torchlens_torch.state import ModelStateSnapshot, ParamWriteGuard, RngSnapshot, seed_all
-from torchlens_torch.values import host_copy, iter_leaves
+from torchlens_torch.values import copy_inputs, host_copy, iter_leaves
 
 #: Top-level modules of other frameworks whose arrays are not torch inputs.
 _FOREIGN_MODULES = ("jax", "jaxlib", "tensorflow", "keras", "mlx", "paddle", "tinygrad")
@@ -130,6 +131,11 @@ class TorchBackend:
                                        remedy="pass the nn.Module (or model.generate-style bound method)", model_type=tname)
         _check_inputs(args, kwargs)
         plan = save_plan(save)
+        if _edit_plan is not None:
+            # a live (edited or structure) capture of the rerun engine, `intervene=` or a bound
+            # model: run on copies, so a forward that writes its inputs in place (values or
+            # requires_grad) neither changes the caller's tensors nor the next run's inputs
+            args, kwargs = copy_inputs(args), copy_inputs(kwargs)
         return _Capture(self, root, model, args, kwargs, plan, opts, _edit_plan).run()
 
     # verbs ------------------------------------------------------------------------------
@@ -140,6 +146,14 @@ class TorchBackend:
 
         with exclusive("validate"):  # replay sets the global RNG: never while another thread captures
             return validate_trace(trace, **kwargs)
+
+    def validate_scope(self, scope: str, model: Any, args: tuple, kwargs: dict, capture: Any = None) -> Any:
+        """`tl.validate(scope="receptive_field" | "intervention" | "backward")`: see
+        `torchlens_torch.validate_scopes`. Returns (ValidationStatus, validation trace)."""
+        from torchlens_torch.validate_scopes import run_scope
+
+        with exclusive("validate"):
+            return run_scope(scope, model, args, kwargs, capture)
 
     def validation_session(self, num_threads: int | None = None) -> Any:
         """Pins torch's intra-op threads for a `tl.validate` run and restores them."""
@@ -172,6 +186,13 @@ class TorchBackend:
     def backward(self, trace: Any, loss: Any, **kwargs: Any) -> Any:
         """Run `loss.backward()` and fill `op.grads` (one entry per output slot) for saved ops."""
         extras: CaptureExtras | None = getattr(trace, "_torch_extras", None)
+        if extras is not None and extras.inference_only:
+            raise InvalidArgumentError(
+                "backward_inference_only",
+                "this trace is an inference-only capture: its forward ran under torch.no_grad() (or "
+                "CaptureOptions(inference_only=True)), so it built no autograd graph to run backward through",
+                remedy="capture outside torch.no_grad(), with capture=CaptureOptions(backward_ready=True, save_grads=True)",
+                inference_only=True)
         if extras is None or not extras.backward_ready:
             raise InvalidArgumentError("backward_not_requested", "this trace was not captured for a backward pass",
                                        remedy="capture with capture=CaptureOptions(backward_ready=True, save_grads=True)")
@@ -340,6 +361,9 @@ class _Capture:
              new_threads) = self._forward(rec, desc, fn, grad_ctx)
 
         t_end = time.perf_counter()
+        if inference_only and opts.inference_only is None and failure is None and any(
+                t.grad_fn is not None for _, t in iter_leaves(output, "output")):
+            inference_only = False  # implied only: the forward turned grad back on and returned a graph
         provenance = Provenance(
             backend="torch", backend_version=__version__, framework_version=torch.__version__, kind="trace",
             model_class=type(root).__name__, start_time=wall_start, end_time=wall_start + (t_end - t_start),
@@ -350,6 +374,7 @@ class _Capture:
                    "owner_thread_id": rec.thread, "params_restored": params_restored},
         )
         _flag_hygiene(provenance, rec, new_threads, unseen_param_writes)
+        _note_compiled(provenance, desc)
         options = TraceOptions.from_capture(
             opts, save=repr(self.plan.spec) if self.plan.kind == "select" else self.plan.kind,
             structure_only=self.plan.kind == "none", inference_only=inference_only, backward_ready=want_backward)
@@ -369,6 +394,8 @@ class _Capture:
         if self.plan.kind == "select":
             apply_save(trace, self.plan)
         trace._torch_extras = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
+        if rec.nonfinite_ops and opts.on_nonfinite == "warn":
+            _warn_nonfinite(trace, rec.nonfinite_ops)
         provenance.extra["build_duration"] = time.perf_counter() - t_end
         return trace
 
@@ -391,7 +418,7 @@ class _Capture:
         _set_mha_fastpath(False)
         handles: list = []
         watch = ThreadWatch()
-        mode = CaptureMode(rec)
+        mode = capture_mode(rec)
         failure: BaseException | None = None
         output = None
         rng_end = None
@@ -426,6 +453,7 @@ class _Capture:
                     state.restore()
                     guard.restore()
                 rng.restore()
+        rec.finish()
         if rec.budget_error is not None:  # also when the forward swallowed it
             failure = rec.budget_error
         if not torch.equal(rng_end, rec.rng_next):  # drawn after the last recorded random op
@@ -466,6 +494,30 @@ def _flag_hygiene(provenance: Provenance, rec: Recorder, new_threads: list[str],
             f"see it, so it could not restore them: {', '.join(repr(a) for a in unseen_param_writes)} "
             "(a write on another thread, inside torch._C.DisableTorchFunction, or by an extension)",
             RuntimeWarning, stacklevel=5)
+
+
+def _note_compiled(provenance: Provenance, desc: Any) -> None:
+    """`torch.compile`d submodules ran eagerly, op by op, under the capture (the recorder is
+    kept out of dynamo, see `interceptor.capture_mode`): their recorded values are eager
+    kernels', which may differ in the last bits from the compiled kernels a plain call runs."""
+    dynamo = sys.modules.get("torch._dynamo")
+    optimized = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None) if dynamo is not None else None
+    if optimized is None:
+        return
+    compiled = [addr for addr, m in desc.modules if isinstance(m, optimized)]
+    if compiled:
+        provenance.extra["compiled_regions_run_eager"] = compiled
+        warnings.warn(f"[capture_compiled_region_eager] the torch.compile'd module(s) {', '.join(compiled)} ran eagerly "
+                      "op by op during the capture, so each op is recorded; their values are the eager kernels' and may "
+                      "differ in the last bits from a plain (compiled) call", RuntimeWarning, stacklevel=4)
+
+
+def _warn_nonfinite(trace: Any, events: list[int]) -> None:
+    """on_nonfinite="warn": one coded warning per capture, naming how many ops and the first."""
+    labels = [op.label for op in trace._ops.values() if op.event_id in set(events)]
+    shown = ", ".join(labels[:5]) + (", ..." if len(labels) > 5 else "")
+    warnings.warn(f"[capture_nonfinite_detected] {len(labels)} op(s) produced NaN or Inf: {shown}; "
+                  "trace.nonfinite_ops lists them", RuntimeWarning, stacklevel=4)
 
 
 def _capture_error(exc: BaseException, partial: Any) -> BaseException:

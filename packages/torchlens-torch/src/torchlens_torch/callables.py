@@ -12,7 +12,13 @@ the callables the capture's `TorchFunctionMode` can record, registered by identi
   the public Tensor methods and `torch.nn.functional` functions it lists as ignored but
   which still reach the mode (`Tensor.unflatten`, `Tensor.new_zeros`, `F.hardswish`);
 - the Tensor property getters that return tensors (`Tensor.T`, `.real`, `.mT`, ...);
-- `torch.ops.aten` operator packets and overloads, by their registered operator name.
+- `torch.ops` operator packets and overloads of the computational namespaces
+  (`_OPS_NAMESPACES`: `aten`, `prims`, the quantized and oneDNN kernels such as
+  `quantized::linear_dynamic`, `torchvision`'s `nms`/`roi_align`), by their registered
+  operator name: a name re-binds only while the operator registry holds it (a namespace a
+  library registers, `torchvision`, binds once that library is imported), and only to the
+  packet or overload object torch itself returns for it. Distributed, profiler, debugging
+  and test namespaces (`c10d`, `symm_mem`, `debugprims::load_tensor`, ...) are not in it.
 
 Callables that touch files, processes or global state, run a callable argument, or build a
 tensor without checking its invariants are left out (`_DENIED`), even though the mode can
@@ -61,9 +67,12 @@ _PUBLIC = (("torch", torch), ("torch.nn.functional", F), ("torch.linalg", torch.
 _BINDINGS = (("torch._C._VariableFunctions", torch._C._VariableFunctions), ("torch._C._nn", torch._C._nn),
              ("torch._C._linalg", torch._C._linalg), ("torch._C._fft", torch._C._fft),
              ("torch._C._special", torch._C._special))
-_ATEN_PREFIX = "torch.ops.aten."
+_OPS_PREFIX = "torch.ops."
+#: `torch.ops` namespaces whose operators compute values (no I/O, communication or profiling).
+_OPS_NAMESPACES = frozenset({"aten", "prims", "quantized", "_quantized", "quantization", "onednn", "mkldnn", "mkl",
+                             "mkldnn_prepacked", "sparse", "torchvision"})
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-_ATEN_NAME = re.compile(rf"({_IDENT})(?:\.({_IDENT}))?")
+_OPS_NAME = re.compile(rf"({_IDENT})\.({_IDENT})(?:\.({_IDENT}))?")
 
 
 def _denied(attr: str) -> bool:
@@ -88,7 +97,8 @@ class CallableTable:
         self.by_name: dict[str, Any] = {}
         self.name_of: dict[Any, str] = {}
         self.legacy: dict[str, Any] = {}
-        self.aten: frozenset[str] = frozenset()
+        self.ops: frozenset[str] = frozenset()  # "ns.packet" and "ns.packet.overload" of registered operators
+        self._ops_seen = -1  # the registry size `ops` was read at
 
     def add(self, name: str, fn: Any) -> None:
         key = _key(fn)
@@ -101,8 +111,8 @@ class CallableTable:
         fn = self.by_name.get(name)
         if fn is None:
             fn = self.legacy.get(name)
-        if fn is None and name.startswith(_ATEN_PREFIX):
-            fn = self._aten(name[len(_ATEN_PREFIX):])
+        if fn is None and name.startswith(_OPS_PREFIX):
+            fn = self._op(name[len(_OPS_PREFIX):])
         return fn
 
     def name(self, fn: Any) -> str | None:
@@ -111,27 +121,58 @@ class CallableTable:
             found = self.name_of.get(key)
             if found is not None:
                 return found
-        if isinstance(fn, torch._ops.OpOverload) and fn.namespace == "aten":
-            packet = fn._schema.name.partition("::")[2]
-            name = f"{packet}.{fn._overloadname}"
-            return _ATEN_PREFIX + name if name in self.aten else None
-        if isinstance(fn, torch._ops.OpOverloadPacket) and fn._qualified_op_name.startswith("aten::"):
-            packet = fn._qualified_op_name.partition("::")[2]
-            return _ATEN_PREFIX + packet if packet in self.aten else None
-        return None
+        if isinstance(fn, torch._ops.OpOverload):
+            ns, _, packet = fn._schema.name.partition("::")
+            name = f"{ns}.{packet}.{fn._overloadname}"
+        elif isinstance(fn, torch._ops.OpOverloadPacket):
+            ns, _, packet = fn._qualified_op_name.partition("::")
+            name = f"{ns}.{packet}"
+        else:
+            return None
+        return _OPS_PREFIX + name if self.registered(name) else None
 
-    def _aten(self, rest: str) -> Any:
-        """An aten packet (`relu`) or overload (`add.Tensor`) among the registered aten
-        operators; looked up in torch's operator registry, never imported."""
-        m = _ATEN_NAME.fullmatch(rest)
-        if m is None or rest not in self.aten:
+    def registered(self, name: str) -> bool:
+        """`ns.packet[.overload]` is an operator of an allowed namespace in torch's registry
+        (re-read when a library registered operators since the last read)."""
+        if name.partition(".")[0] not in _OPS_NAMESPACES or _denied(name.split(".")[1] if "." in name else name):
+            return False
+        if name not in self.ops:
+            self.ops, self._ops_seen = _registered_ops(self._ops_seen, self.ops)
+        return name in self.ops
+
+    def _op(self, rest: str) -> Any:
+        """A registered operator packet (`aten.relu`, `quantized.linear_dynamic`) or overload
+        (`aten.add.Tensor`): torch's own object for that registry name, never an import."""
+        m = _OPS_NAME.fullmatch(rest)
+        if m is None or not self.registered(rest):
             return None
         try:
-            packet = getattr(torch.ops.aten, m.group(1))
-            fn = packet if m.group(2) is None else getattr(packet, m.group(2))
+            packet = getattr(getattr(torch.ops, m.group(1)), m.group(2))
+            fn = packet if m.group(3) is None else getattr(packet, m.group(3))
         except (AttributeError, RuntimeError):
             return None
-        return fn if self.name(fn) == _ATEN_PREFIX + rest else None
+        if not isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return None
+        return fn if self.name(fn) == _OPS_PREFIX + rest else None
+
+
+def _registered_ops(seen: int, current: frozenset[str]) -> tuple[frozenset[str], int]:
+    """The allowed namespaces' operators in torch's registry, as `ns.packet` and
+    `ns.packet.overload` names (unchanged when the registry has not grown)."""
+    try:
+        registered = list(torch._C._dispatch_get_all_op_names())  # the operator registry, as names
+    except (AttributeError, RuntimeError):
+        return current, seen  # an older torch: operators then load as opaque ops
+    if len(registered) == seen:
+        return current, seen
+    ops = set()
+    for qual in registered:
+        ns, _, rest = qual.partition("::")
+        packet, _, overload = rest.partition(".")
+        if ns in _OPS_NAMESPACES and not _denied(packet):
+            ops.add(f"{ns}.{packet}")
+            ops.add(f"{ns}.{packet}.{overload or 'default'}")
+    return frozenset(ops), len(registered)
 
 
 def _legacy_name(fn: Any) -> str:
@@ -205,18 +246,7 @@ def _build() -> CallableTable:
     for fn in table.by_name.values():
         legacy.setdefault(_legacy_name(fn), []).append(fn)
     table.legacy = {n: fns[0] for n, fns in legacy.items() if len(fns) == 1 and n not in table.by_name}
-    aten = set()
-    try:
-        registered = list(torch._C._dispatch_get_all_op_names())  # the operator registry, as names
-    except (AttributeError, RuntimeError):
-        registered = []  # an older torch: aten operators then load as opaque ops
-    for qual in registered:
-        ns, _, rest = qual.partition("::")
-        packet, _, overload = rest.partition(".")
-        if ns == "aten" and not _denied(packet):
-            aten.add(packet)
-            aten.add(f"{packet}.{overload or 'default'}")
-    table.aten = frozenset(aten)
+    table.ops, table._ops_seen = _registered_ops(-1, frozenset())
     return table
 
 

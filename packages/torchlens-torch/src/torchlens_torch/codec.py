@@ -4,6 +4,15 @@ Every dtype travels as its raw bytes in a numpy array of the same item size (bfl
 the float8 types as integers, complex as complex), tagged with the neutral dtype name; the
 device, the Parameter subclass and requires_grad are recorded as metadata. Loaded tensors
 are on the CPU (the saved device is in `meta["device"]`).
+
+Layout is kept, because kernels take other paths (and round differently) for other strides:
+a dense permuted tensor (a transpose) is stored in its memory order with `meta["perm"]`;
+any other non-contiguous, non-overlapping view (a slice, a chunk, `.real` of a complex
+tensor) is stored compactly with `meta["strides"]` and `meta["offset"]` and loads back as a
+view with those strides and that storage offset into a fresh buffer (gaps zero). The buffer
+is bounded (`STRIDED_SLACK`): a view that would need more is stored contiguous, and a file
+asking for more refuses `payload_meta_invalid`. An offset beyond the bound is reduced to its
+alignment class (the offset modulo 64 bytes), which is what kernels can observe.
 """
 
 from __future__ import annotations
@@ -61,6 +70,10 @@ class TorchCodec:
             if p.is_contiguous():
                 t = p
                 meta["perm"] = ",".join(str(d) for d in perm)
+        if not t.is_contiguous() and "perm" not in meta:
+            layout = strided_layout(t)
+            if layout is not None:
+                meta["strides"], meta["offset"] = layout
         if tag in _VIEW_FOR:
             arr = t.view(getattr(torch, _VIEW_FOR[tag][1])).numpy().view(np_dtype if tag not in ("bfloat16",) else np.uint16)
         else:
@@ -112,6 +125,7 @@ class TorchCodec:
             raise ArtifactError("payload_codec_unavailable", f"this torch has no dtype {payload.dtype!r}",
                                 remedy="load with the torch version that saved it", dtype=payload.dtype)
         order = _check_meta(payload.meta, len(payload.shape), dtype)
+        layout = _check_layout(payload.meta, tuple(payload.shape))
         arr = payload.array
         if arr.size and arr.ctypes.data % 64:
             # a view into the blob at an unaligned offset: CPU kernels choose other code paths
@@ -129,6 +143,11 @@ class TorchCodec:
             t = t.clone()
         if order is not None:
             t = t.permute([order.index(d) for d in range(t.dim())])
+        if layout is not None:
+            strides, offset, size = layout
+            view = torch.zeros(size, dtype=dtype).as_strided(t.shape, strides, offset)
+            view.copy_(t)
+            t = view
         if payload.meta.get("parameter") == "1":
             return torch.nn.Parameter(t, requires_grad=payload.meta.get("requires_grad") == "1")
         if payload.meta.get("requires_grad") == "1" and (t.is_floating_point() or t.is_complex()):
@@ -136,7 +155,46 @@ class TorchCodec:
         return t
 
 
-_META_KEYS = {"device", "perm", "parameter", "requires_grad"}
+_META_KEYS = {"device", "perm", "parameter", "requires_grad", "strides", "offset"}
+
+#: a strided view's buffer may hold at most this many times its elements (plus 64 bytes'
+#: worth): the bound on what a load allocates for it.
+STRIDED_SLACK = 8
+
+
+def _extent(shape: tuple, strides: tuple) -> int:
+    """Elements from a view's first to its last, plus one (its storage span past the offset)."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(n > 0 for n in shape) else 0
+
+
+def _non_overlapping(shape: tuple, strides: tuple) -> bool:
+    """No two indices of the view address the same element (each stride, in increasing
+    order, steps past everything the smaller ones reach)."""
+    reach = 0
+    for n, s in sorted(((n, s) for n, s in zip(shape, strides) if n > 1), key=lambda p: p[1]):
+        if s <= reach:
+            return False
+        reach += (n - 1) * s
+    return True
+
+
+def _budget(numel: int, itemsize: int) -> int:
+    return STRIDED_SLACK * numel + max(1, 64 // itemsize)
+
+
+def strided_layout(t: torch.Tensor) -> tuple[str, str] | None:
+    """`(strides, offset)` metadata keeping a non-contiguous view's layout, or None when it
+    overlaps itself, is empty, or would need a buffer beyond the bound (stored contiguous)."""
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    if t.numel() == 0 or not t.dim() or any(s < 0 for s in strides) or not _non_overlapping(shape, strides):
+        return None
+    extent, budget = _extent(shape, strides), _budget(t.numel(), t.element_size())
+    if extent > budget:
+        return None
+    offset = t.storage_offset()
+    if offset + extent > budget:  # keep the alignment class only
+        offset %= max(1, 64 // t.element_size())
+    return ",".join(str(s) for s in strides), str(offset)
 
 
 def _bad_meta(why: str, meta: dict) -> ArtifactError:
@@ -163,6 +221,29 @@ def _check_meta(meta: dict, ndim: int, dtype: torch.dtype) -> list[int] | None:
     if len(order) != len(parts) or sorted(order) != list(range(ndim)) or ndim < 2:
         raise _bad_meta(f"permutation {perm[:40]!r} is not a permutation of a {ndim}-d payload's axes", meta)
     return order
+
+
+def _check_layout(meta: dict, shape: tuple) -> tuple[tuple[int, ...], int, int] | None:
+    """Check `strides`/`offset` metadata against the payload's shape: integers, one stride
+    per axis, non-overlapping, and a buffer within the bound. Returns (strides, offset,
+    buffer elements) or None when the payload has no saved layout."""
+    if "strides" not in meta and "offset" not in meta:
+        return None
+    if "perm" in meta or "strides" not in meta or "offset" not in meta:
+        raise _bad_meta("has a partial or doubled layout (strides with offset, without perm)", meta)
+    parts, off = meta["strides"].split(","), meta["offset"]
+    nums = [p for p in parts + [off] if p.isascii() and p.isdigit() and len(p) <= 18]
+    if len(nums) != len(parts) + 1 or len(parts) != len(shape) or not shape:
+        raise _bad_meta(f"strides {meta['strides'][:40]!r} / offset {off[:20]!r} are not one integer per axis", meta)
+    strides, offset = tuple(int(p) for p in parts), int(off)
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    extent = _extent(shape, strides)
+    if numel == 0 or not _non_overlapping(shape, strides) or offset + extent > _budget(numel, 1):
+        raise _bad_meta(f"strides {strides} with offset {offset} overlap or need a buffer beyond "
+                        f"{STRIDED_SLACK}x the payload's {numel} elements", meta)
+    return strides, offset, offset + extent
 
 
 def _device_or_none(text: str) -> Any:

@@ -4,6 +4,8 @@ a bound executor. (Re-binding saved callable names lives in `callables.py`.)"""
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -114,6 +116,14 @@ def _edit_leaves(out: Any, fn: Any) -> tuple[Any, int]:
             out[k], m = _edit_leaves(out[k], fn)
             n += m
         return out, n
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):  # a @dataclass output: an edited copy
+        new, n = copy.copy(out), 0
+        for f in dataclasses.fields(out):
+            if hasattr(out, f.name):
+                v, m = _edit_leaves(getattr(out, f.name), fn)
+                object.__setattr__(new, f.name, v)
+                n += m
+        return new, n
     return out, 0
 
 

@@ -8,9 +8,18 @@ resolved, in order, to its tag, to a parameter (listed in `OpEvent.params`, not 
 to a registered or module-held buffer (a `buffer` source event on first read) or else to a
 closure constant (a `constant` source event). Labels, passes and edges are core's job.
 
+Aliasing and writes: a call that returns its input unchanged (`.float()` on a float tensor)
+does not take the tensor over, its readers still read the producer. An in-place write through
+a view (`buf[:, :4].copy_(h)`) also records the base's new version (`record_view_write`), and
+an in-place write to a buffer or a buffer rebound by the forward is that buffer's next version.
+A read of a tensor's values into Python (`.item()`, `int(t)`, a branch) is noted on its
+producing op (`meta["value_reads"]`), so replay can refuse past a data-dependent shape.
+
 The per-op handler (`CaptureMode.__torch_function__`) is the hot path: a cached per-callable
 `FuncInfo`, one call, a type check, and for tensor results a short walk over the arguments
-and the Python frames up to the innermost module call (the call site key).
+and the Python frames up to the innermost module call (the call site key). When dynamo is
+loaded the handler and hooks are kept out of it (`capture_mode`): compiled regions run eagerly
+op by op under the capture.
 """
 
 from __future__ import annotations
@@ -18,7 +27,6 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
-import warnings
 from time import perf_counter
 from typing import Any, Callable
 
@@ -66,11 +74,28 @@ _INPLACE_DUNDERS = frozenset({
 })
 
 
+#: Passthrough callables that read a tensor's values into Python: a size, index or branch
+#: condition computed from them is data-dependent (recorded per producing op, checked by replay).
+_VALUE_READS = frozenset({"item", "tolist", "__int__", "__index__", "__float__", "__bool__", "__complex__"})
+
+#: Callables whose ops replay cannot re-execute from their recorded arguments alone: the
+#: reason goes into every such op's `meta["replay_unsupported"]` (replay and validation refuse).
+_NOTES: dict[Any, dict[str, str]] = {torch.autograd.grad: {"replay_unsupported": "autograd_grad"}}
+
+
+def _hashable(func: Any) -> bool:
+    try:
+        hash(func)
+    except TypeError:
+        return False
+    return True
+
+
 class FuncInfo:
     """What the handler needs to know about one callable, computed once per callable."""
 
     __slots__ = ("name", "passthrough", "inplace", "may_inplace", "inplace_index", "hidden_write", "random", "cost",
-                 "composite", "may_write", "data_set")
+                 "composite", "may_write", "data_set", "value_read", "note")
 
     def __init__(self, func: Any, composites: dict) -> None:
         name = getattr(func, "__name__", None) or type(func).__name__
@@ -97,7 +122,18 @@ class FuncInfo:
         self.may_write = self.inplace or self.may_inplace or self.hidden_write
         self.random = name in _RANDOM_NAMES
         self.cost = COST_FUNCS.get(name)
+        # a read of a tensor's values into Python (`.item()`, `int(t)`, `if t:`): replay checks
+        # the value it read still holds before it replays past it (a data-dependent shape)
+        self.value_read = name in _VALUE_READS
+        # facts every op of this callable carries in `meta` (None: none)
+        self.note = _NOTES.get(func) if _hashable(func) else None
         self.composite = composites.get(func) if inspect.isfunction(func) else None
+
+
+def _sdpa_draws(args: tuple, kwargs: dict) -> bool:
+    """`scaled_dot_product_attention` draws random numbers when `dropout_p` > 0."""
+    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return isinstance(p, (int, float)) and p > 0
 
 
 def _inplace_flag(info: FuncInfo, args: tuple, kwargs: dict) -> bool:
@@ -113,12 +149,14 @@ def _run_root(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return fn(*args, **kwargs)
 
 
-_STOP_CODES = frozenset({
+#: ids of the code objects that bound the call-site walk (module calls, the traced root);
+#: the objects live as long as the process, so their ids are stable
+_STOP_CODES = frozenset(id(c) for c in (
     _nn_module.Module._call_impl.__code__,
     _nn_module.Module._wrapped_call_impl.__code__,
     _run_root.__code__,
     *(c for c in _nn_module.Module._call_impl.__code__.co_consts if inspect.iscode(c)),
-})
+))
 _MAX_SITE_FRAMES = 24
 
 #: Per-callable facts, shared by every capture of the process (they never change).
@@ -147,7 +185,8 @@ class Recorder:
         self.tags: dict[int, tuple[int, int]] = {}
         self.keep: list[Any] = []
         self.param_address = desc.param_address
-        self.buffer_address = desc.buffer_address
+        # a copy: a buffer rebound during the forward (`self.state = ...`) is added to it
+        self.buffer_address = dict(desc.buffer_address)
         self.module_address = desc.module_address
         self.stack: tuple[tuple[str, int], ...] = ()
         self.call_counts: dict[str, int] = {}
@@ -182,6 +221,10 @@ class Recorder:
         self.rng_unaccounted = 0
         # threads other than the capture's that ran the traced model's modules
         self.foreign_threads: set[str] = set()
+        # event id -> {(slot, read name)}: values the forward read back into Python
+        self.value_reads: dict[int, set] = {}
+        # event id -> buffer addresses the forward rebound to that op's output
+        self.buffer_rebinds: dict[int, list[str]] = {}
 
     # sources ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -348,13 +391,23 @@ class Recorder:
             meta["rng_state"] = rng
         if self.composite is not None:
             meta["composite"] = self.composite
+        if info.note is not None:
+            meta.update(info.note)
         param_address = self.param_address
         buffer_address = self.buffer_address
+        if inplace and buffer_address:
+            addr = buffer_address.get(id(outs[0]))
+            if addr is not None:  # an in-place write to a buffer: a new version of it
+                meta["buffer_write"] = (addr,)
+        a0 = args[0] if args else None
         for i, o in enumerate(outs):
             if isinstance(o, Tensor):
                 k = id(o)
-                if not inplace and (k in param_address or k in buffer_address):
-                    continue  # a parameter or buffer passed through unchanged keeps its identity
+                if not inplace and (k in param_address or k in buffer_address or o is a0):
+                    # a parameter or buffer passed through unchanged keeps its identity, and so
+                    # does a tensor a no-op call returned as itself (`.float()` on a float
+                    # tensor): its later readers still read its producer
+                    continue
                 tags[k] = (eid, i)
                 keep.append(o)
         ev = OpEvent(eid, "op", info.name, tuple(parents), saved_outs, shapes, dtypes, self.stack, site,
@@ -403,10 +456,8 @@ class Recorder:
         meta["has_nonfinite"] = bad
         if not bad:
             return
-        self.nonfinite_ops.append(eid)
-        if self.check_nonfinite == "warn":
-            warnings.warn(f"torchlens: {name} produced NaN or Inf (event {eid})", RuntimeWarning, stacklevel=4)
-        elif self.check_nonfinite == "raise":
+        self.nonfinite_ops.append(eid)  # on_nonfinite="warn": the capture warns once, after the forward
+        if self.check_nonfinite == "raise":
             from torchlens.errors import TraceCaptureError
 
             raise TraceCaptureError("nonfinite_value", f"{name} produced NaN or Inf under on_nonfinite='raise'",
@@ -533,6 +584,101 @@ class Recorder:
                 for item in d.values():
                     self.flush_reachable(item, depth + 1, seen)
 
+    # values read into Python, writes through views, rebound buffers ---------------------
+    def note_value_read(self, t: Tensor, name: str) -> None:
+        """The forward read `t`'s values into Python (`.item()`, `int(t)`, `if t:`): a shape,
+        index or branch may depend on them. Noted on the op that produced `t`; replay checks
+        the read still gives the same value before it replays past that op."""
+        tag = self.tags.get(id(t))
+        if tag is None:
+            return
+        reads = self.value_reads.get(tag[0])
+        if reads is None:
+            reads = self.value_reads[tag[0]] = set()
+        reads.add((tag[1], name))
+
+    def base_before_write(self, w: Tensor) -> tuple[Tensor, tuple[int, int]] | None:
+        """Before an in-place write through the view `w`: the view's base and the tag of its
+        value before the write (a base no op produced is resolved now, as a buffer or a
+        constant holding its pre-write value). None for a parameter's base, whose writes
+        `guard_params` handles."""
+        base = w._base
+        if base is None or id(base) in self.param_address:
+            return None
+        tag = self.tags.get(id(base))
+        if tag is None:
+            parents: list = []
+            self._resolve(base, parents, [])
+            tag = parents[0]
+        return base, tag
+
+    def record_view_write(self, w: Tensor, before: tuple[Tensor, tuple[int, int]], site: tuple) -> None:
+        """After an in-place write through the view `w` (`buf[:, :4].copy_(h)`,
+        `m.diagonal().zero_()`): record the base's new version as its own op, so its later
+        readers link to the write and a replay edit upstream of the write reaches them.
+
+        The op is `torch.as_strided_scatter(base_before, view_after, size, stride, offset)`,
+        which recomputes the base exactly from the two values (offset relative to the
+        base's, which must be contiguous so a replayed copy has the same layout); a base
+        with another layout is recorded with `meta["replay_unsupported"]` instead, so
+        replay and validation refuse it rather than guess."""
+        base, base_tag = before
+        w_tag = self.tags.get(id(w))
+        if w_tag is None:
+            return
+        func = torch.as_strided_scatter
+        info = self.infos.get(func) or self.func_info(func)
+        size, stride = tuple(w.shape), tuple(w.stride())
+        offset = w.storage_offset() - base.storage_offset()
+        targs = (ArgRef(0), ArgRef(1), size, stride, offset)
+        eid = self.next_id
+        plan = self.edit_plan
+        edited = plan is not None and eid in plan
+        out = self.record(func, info, (base, w, size, stride, offset), {}, base, (base,), False, False,
+                          ([base_tag, w_tag], [], targs, {}), 0.0, None, site + ("view_write",))
+        ev = self.events[-1]
+        ev.meta["view_write"] = True
+        if not base.is_contiguous():
+            ev.meta["replay_unsupported"] = "view_write_base_layout"
+        addr = self.buffer_address.get(id(base))
+        if addr is not None:
+            ev.meta["buffer_write"] = (addr,)
+        if edited and out is not base:  # a live edit of the base's new version: write it into the base
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                base.copy_(out)
+        self.tags[id(base)] = (eid, 0)
+
+    def buffer_hook(self, module: Any, name: str, tensor: Any) -> None:
+        """Global buffer-registration hook: `module.name = tensor` rebinds a buffer during the
+        forward. The op that produced `tensor` becomes that buffer's next version, and later
+        in-place writes to `tensor` are versions too."""
+        if not isinstance(tensor, Tensor) or threading.get_ident() != self.thread:
+            return None
+        maddr = self.module_address.get(id(module))
+        if maddr is None:
+            return None
+        addr = name if maddr == "self" else f"{maddr}.{name}"
+        self.buffer_address[id(tensor)] = addr
+        self.keep.append(tensor)  # its id stays unique for the capture
+        tag = self.tags.get(id(tensor))
+        if tag is not None:
+            self.buffer_rebinds.setdefault(tag[0], []).append(addr)
+        return None
+
+    def finish(self) -> None:
+        """After the forward: put the value reads and buffer rebinds on their ops' meta."""
+        if not self.value_reads and not self.buffer_rebinds:
+            return
+        for ev in self.events:
+            if type(ev) is not OpEvent:
+                continue
+            reads = self.value_reads.get(ev.id)
+            if reads:
+                ev.meta["value_reads"] = tuple(sorted(reads))
+            addrs = self.buffer_rebinds.get(ev.id)
+            if addrs and ev.kind == "op":
+                ev.meta["buffer_write"] = tuple(dict.fromkeys(tuple(ev.meta.get("buffer_write", ())) + tuple(addrs)))
+
     # module hooks ------------------------------------------------------------------------
     def pre_hook(self, module: Any, args: tuple) -> None:
         addr = self.module_address.get(id(module))
@@ -620,19 +766,25 @@ class CaptureMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if info.passthrough:
+            if info.value_read and args:
+                rec.note_value_read(args[0], info.name)
             return func(*args, **kwargs)
         if info.composite is not None:
             return self._run_composite(info, args, kwargs)
         pre = None
+        view_base = None
         if info.may_write or "out" in kwargs:
             pre = rec._resolve_args(args, kwargs)  # read sources before the write changes them
+            if args and isinstance(args[0], Tensor) and args[0]._base is not None and (
+                    info.inplace or (info.may_inplace and _inplace_flag(info, args, kwargs))):
+                view_base = rec.base_before_write(args[0])  # a write through a view: its base's value before
             if rec.pending:
                 rec.flush_writes(info, args, kwargs)
             if rec.param_guard is not None:
                 rec.guard_params(info, args, kwargs)
         elif info.data_set and rec.param_guard is not None:
             rec.guard_params(info, args, kwargs)
-        if info.random:
+        if info.random or (info.name == "scaled_dot_product_attention" and _sdpa_draws(args, kwargs)):
             rng = torch.get_rng_state()
             rec.rng_check(rng)
             t0 = perf_counter()
@@ -672,16 +824,20 @@ class CaptureMode(TorchFunctionMode):
         for _ in range(_MAX_SITE_FRAMES):
             if f is None:
                 break
-            code = f.f_code
-            if code in stop:
+            cid = id(f.f_code)  # by id: a code object dynamo builds can hold an unhashable constant
+            if cid in stop:
                 break
-            cid = id(code)
             if cid not in codes:
                 codes.append(cid)
                 site.append(cid)
                 site.append(f.f_lasti)
             f = f.f_back
-        return rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, tuple(site))
+        if view_base is None:
+            return rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, tuple(site))
+        result = rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, tuple(site))
+        if inplace:
+            rec.record_view_write(args[0], view_base, tuple(site))
+        return result
 
     def _run_composite(self, info: FuncInfo, args: tuple, kwargs: dict) -> Any:
         rec = self.rec
@@ -696,11 +852,38 @@ class CaptureMode(TorchFunctionMode):
             rec.composite = prev
 
 
+_DYNAMO_SAFE: type | None = None
+
+
+def capture_mode(rec: Recorder) -> TorchFunctionMode:
+    """The capture's mode. When `torch._dynamo` is loaded (a model may call `torch.compile`d
+    code), the handler is wrapped in `torch._dynamo.disable`: dynamo must never trace the
+    recorder (it recorded wrong ops, then crashed with `unhashable type: 'slice'` after a
+    `dynamic=True` recompile). Dynamo then breaks its graph at every torch call of a compiled
+    region, so those ops run eagerly and are recorded one by one like any other."""
+    global _DYNAMO_SAFE
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return CaptureMode(rec)
+    if _DYNAMO_SAFE is None:
+        _DYNAMO_SAFE = type("DynamoSafeCaptureMode", (CaptureMode,), {
+            "__doc__": "`CaptureMode` with its handler kept out of dynamo (see `capture_mode`).",
+            "__torch_function__": dynamo.disable(CaptureMode.__torch_function__, recursive=True),
+        })
+    return _DYNAMO_SAFE(rec)
+
+
 def install_module_hooks(rec: Recorder) -> list[Any]:
-    """Global forward pre/post hooks (removed with `remove_module_hooks` after the capture)."""
-    pre = _nn_module.register_module_forward_pre_hook(rec.pre_hook)
-    post = _nn_module.register_module_forward_hook(rec.post_hook, with_kwargs=True, always_call=True)
-    return [pre, post]
+    """Global forward pre/post hooks and the buffer-registration hook (removed with
+    `remove_module_hooks` after the capture); kept out of dynamo like the handler."""
+    pre_hook, post_hook, buffer_hook = rec.pre_hook, rec.post_hook, rec.buffer_hook
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        pre_hook, post_hook, buffer_hook = (dynamo.disable(h) for h in (pre_hook, post_hook, buffer_hook))
+    pre = _nn_module.register_module_forward_pre_hook(pre_hook)
+    post = _nn_module.register_module_forward_hook(post_hook, with_kwargs=True, always_call=True)
+    buf = _nn_module.register_module_buffer_registration_hook(buffer_hook)
+    return [pre, post, buf]
 
 
 def remove_module_hooks(handles: list[Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import random
 from typing import Any, Iterator
@@ -29,7 +30,7 @@ from torchlens_torch.zoo import ZOO, ZooEntry
 # oracles ----------------------------------------------------------------------------------
 
 def tensor_leaves(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Tensor leaves of nested tuples/lists/dicts (HF ModelOutput included), in order."""
+    """Tensor leaves of nested tuples/lists/dicts and dataclasses (HF ModelOutput included), in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if depth > 16:
@@ -38,6 +39,8 @@ def tensor_leaves(obj: Any, depth: int = 0) -> list[torch.Tensor]:
         return [t for item in obj for t in tensor_leaves(item, depth + 1)]
     if isinstance(obj, dict):
         return [t for item in obj.values() for t in tensor_leaves(item, depth + 1)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a @dataclass output's fields, in order
+        return [t for f in dataclasses.fields(obj) for t in tensor_leaves(getattr(obj, f.name, None), depth + 1)]
     return []
 
 

@@ -1,12 +1,18 @@
 """Replay validation of a torch trace.
 
 For each recorded op: (a) call its recorded callable on its saved parent values, parameters
-and literals (its argument template) under its recorded RNG state, and compare bit for bit
-with the saved output; (b) perturb each floating-point tensor parent in turn and check the
-output changes. Parents the output cannot depend on by rule are exempt (shape-only
-constructors such as `zeros_like`, the shape argument of `view_as`/`expand_as`/`type_as`,
-integer and boolean parents such as indices and masks, receivers that an op overwrites
-whole); the exemptions are listed in the decisions, never a blanket skip.
+and literals (its argument template) under its recorded RNG state, and compare with the
+saved output (bit for bit, unless a rule of `validate_rules.comparison` says otherwise:
+uninitialised memory by shape and dtype, a compiled region within a dtype tolerance);
+(b) perturb each floating-point tensor parent in turn and check the output changes.
+Parents the output cannot depend on by rule are exempt (shape-only constructors such as
+`zeros_like`, the shape argument of `view_as`/`expand_as`/`type_as`, integer and boolean
+parents such as indices and masks, receivers that an op overwrites whole, constant
+parents, which are skipped while the op's other parents are still perturbed); a parent
+that does not move the output is excused only by a rule the values prove (another operand
+pins it: `zero_factor`, `constant_mask`, `saturating_operand`; a discrete output:
+`discrete_output`). Every exemption is in the op's decision with its rule and why, never a
+blanket skip. Every op is checked: the status names the first failure and counts them all.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 
 from torchlens.backends.protocol import ValidationStatus
 from torchlens.build.events import ArgRef, fill_template
+from torchlens_torch import validate_rules as R
 
 #: callables whose output does not depend on the values of the listed argument positions
 #: ("all": of any tensor argument).
@@ -48,16 +55,6 @@ class ThreadPin:
         if self.saved is not None:
             torch.set_num_threads(self.saved)
         return False
-
-
-def _same(a: Any, b: Any) -> bool:
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-        return a is None and b is None
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.equal(a, b) or ((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
-    return bool(torch.equal(a, b))
 
 
 def _template_indices(template: Any) -> set[int]:
@@ -100,10 +97,14 @@ class _Replayer:
                 v = v.detach().requires_grad_(True)  # a loaded payload lost its graph: kernels pick paths by it
         return v
 
-    def run(self, op: Any, override: dict[int, Any] | None = None) -> tuple:
+    def run(self, op: Any, override: dict[Any, Any] | None = None) -> tuple:
+        """Re-execute `op` on its saved values; `override` replaces parents (by parent
+        index) or parameters and buffers (by address)."""
         def fill(ref: ArgRef) -> Any:
-            if override is not None and ref.address is None and ref.index in override:
-                return override[ref.index]
+            if override is not None:
+                key = ref.index if ref.address is None else ref.address
+                if key in override:
+                    return override[key]
             v = self.parent_value(op, ref)
             return v
 
@@ -173,88 +174,236 @@ def _perturbed(v: torch.Tensor, k: int) -> torch.Tensor:
     return (v.detach() + torch.randn(v.shape, generator=g, dtype=v.dtype, device=v.device) * scale).to(v.dtype)
 
 
-def validate_trace(trace: Any, **_: Any) -> ValidationStatus:
-    from torchlens.intervention.params import changed_params, param_addresses
-    from torchlens.io.opaque import refuse_opaque
+def _tensor_refs(template: Any) -> list[ArgRef]:
+    """Every ArgRef of a template, in order (parents and parameter/buffer addresses)."""
+    if isinstance(template, ArgRef):
+        return [template]
+    if type(template) in (tuple, list):
+        return [r for t in template for r in _tensor_refs(t)]
+    if type(template) is dict:
+        return [r for t in template.values() for r in _tensor_refs(t)]
+    return []
 
-    refuse_opaque(trace, trace._ops.values())  # an op loaded as opaque refuses before any op runs
-    rp = _Replayer(trace)
-    decisions: list[dict[str, Any]] = []
-    counts: dict[str, int] = {}
 
-    def fail(op: Any, reason: str, detail: str) -> ValidationStatus:
-        decisions.append({"op": op.label, "ok": False, "reason": reason, "detail": detail})
-        counts[reason] = counts.get(reason, 0) + 1
-        return ValidationStatus(False, op.label, reason, decisions, counts, detail)
+def _unencodable(template: Any) -> Any:
+    """The first `tl.types.UnencodableValue` stand-in in a loaded argument template, or None."""
+    from torchlens.types import UnencodableValue
 
-    from torchlens.viz.progress import progress
+    if isinstance(template, UnencodableValue):
+        return template
+    items = template.values() if type(template) is dict else template if type(template) in (tuple, list) else ()
+    for t in items:
+        found = _unencodable(t)
+        if found is not None:
+            return found
+    return None
 
-    for op in progress(trace._ops.values(), total=len(trace._ops), desc="validate"):
+
+class _Checker:
+    """Checks one trace op by op, collecting a decision per op (every op is checked)."""
+
+    def __init__(self, trace: Any) -> None:
+        self.trace = trace
+        self.rp = _Replayer(trace)
+        self.decisions: list[dict[str, Any]] = []
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, Any] | None = None
+
+    def count(self, reason: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def fail(self, op: Any, reason: str, detail: str, **extra: Any) -> None:
+        d = {"op": op.label, "ok": False, "reason": reason, "detail": detail, **extra}
+        self.decisions.append(d)
+        self.count(reason)
+        if self.first is None:
+            self.first = d
+
+    def status(self) -> ValidationStatus:
+        if self.first is None:
+            return ValidationStatus(True, decisions=self.decisions, reason_counts=self.counts)
+        f = self.first
+        return ValidationStatus(False, f["op"], f["reason"], self.decisions, self.counts, f["detail"])
+
+    # one op ------------------------------------------------------------------------------
+    def check(self, op: Any) -> None:
+        rp, trace = self.rp, self.trace
         if op.kind == "output":
             parent = rp.ev2op.get(op.parent_slots[0][0]) if op.parent_slots else None
             if parent is None:
-                return fail(op, "capture_inconsistent", "an output op has no producer")
-            if op.saved and parent.saved and not _same(op.out, parent.outs[op.parent_slots[0][1]]):
-                return fail(op, "replay_mismatch", f"{op.label} differs from its producer {parent.label}")
-            continue
-        if op.kind in ("input", "buffer", "constant"):
-            decisions.append({"op": op.label, "ok": True, "reason": "constant_producer_leaf" if op.kind == "constant" else None})
-            continue
+                return self.fail(op, "capture_inconsistent", "an output op has no producer")
+            if op.saved and parent.saved and not R.same_bits(op.out, parent.outs[op.parent_slots[0][1]]):
+                return self.fail(op, "replay_mismatch", f"{op.label} differs from its producer {parent.label}")
+            self.decisions.append({"op": op.label, "ok": True, "reason": None})
+            return None
+        if op.kind in ("input", "buffer") or (op.kind == "constant" and not callable(op.func)):
+            if op.kind == "constant":  # read from its saved payload: counted as exempted
+                self.count("constant_producer_leaf")
+            self.decisions.append({"op": op.label, "ok": True,
+                                   "reason": "constant_producer_leaf" if op.kind == "constant" else None})
+            return None
         if op.func is None or op.args_template is None or not callable(op.func):
-            return fail(op, "no_replayable_function", f"{op.label} has no recorded callable and arguments")
+            return self.fail(op, "no_replayable_function", f"{op.label} has no recorded callable and arguments")
         used = _template_indices(op.args_template) | _template_indices(op.kwargs_template or {})
         if used != set(range(len(op.parent_slots))):
-            return fail(op, "arg_logging_mismatch",
-                        f"{op.label}'s argument template reads parents {sorted(used)}, the graph records {len(op.parent_slots)}")
+            return self.fail(op, "arg_logging_mismatch", f"{op.label}'s argument template reads parents "
+                                                         f"{sorted(used)}, the graph records {len(op.parent_slots)}")
         if not op.saved:
-            return fail(op, "parent_payload_missing", f"{op.label}'s own output was not saved")
+            return self.fail(op, "parent_payload_missing", f"{op.label}'s own output was not saved")
+        lost = _unencodable(op.args_template) or _unencodable(op.kwargs_template or {})
+        if lost is not None:  # a loaded argument that had no encoding: the call cannot be rebuilt
+            return self.fail(op, "missing_saved_args", f"{op.label}'s argument {lost.at} ({lost.type_name}) was "
+                             "saved as text (it has no portable encoding), so the call cannot be replayed")
         for eid, _slot in op.parent_slots:
             p = rp.ev2op.get(eid)
             if p is None or not p.saved:
-                return fail(op, "parent_payload_missing", f"the saved value of a parent of {op.label} is missing")
+                return self.fail(op, "parent_payload_missing", f"the saved value of a parent of {op.label} is missing")
+        from torchlens.intervention.params import changed_params, param_addresses
+
         moved = changed_params(trace, [a for a in param_addresses(op) if a in trace._params])
         if moved:  # the cause, not a bare replay_mismatch: the weights changed after capture
-            status = fail(op, "replay_param_changed_since_capture",
-                          f"{op.label} reads parameter {moved[0]!r}, which changed since capture (optimizer step, "
-                          "load_state_dict or an in-place write); capture again to validate the current weights")
-            decisions[-1]["param"] = moved[0]
-            return status
+            return self.fail(op, "replay_param_changed_since_capture",
+                             f"{op.label} reads parameter {moved[0]!r}, which changed since capture (optimizer "
+                             "step, load_state_dict or an in-place write); capture again to validate the current "
+                             "weights", param=moved[0])
         try:
             got = rp.run(op)
         except Exception as exc:  # the recorded call does not re-execute
-            return fail(op, "replay_execution_exception", f"{type(exc).__name__}: {exc}")
+            return self.fail(op, "replay_execution_exception", f"{type(exc).__name__}: {exc}")
         want = op.outs
-        if len(got) != len(want) or not all(_same(g, w) for g, w in zip(got, want) if w is not None or g is not None):
-            return fail(op, "replay_mismatch", f"re-executing {op.func_name} did not reproduce {op.label}")
+        mode, compare, record = R.comparison(trace, op)
+        if len(got) != len(want) or not all(compare(g, w) for g, w in zip(got, want) if w is not None or g is not None):
+            if mode == "tolerance" and len(got) == len(want) and all(R.same_meta(g, w) for g, w in zip(got, want)):
+                return self.fail(op, "dtype_tolerance_exceeded", f"re-executing {op.func_name} eagerly differs from "
+                                 f"{op.label} by more than {R.COMPILED_ULPS} epsilons", compared=mode, **record)
+            return self.fail(op, "replay_mismatch", f"re-executing {op.func_name} did not reproduce {op.label}")
+        decision: dict[str, Any] = {"op": op.label, "ok": True, "reason": None}
+        if mode != "bits":
+            decision.update(compared=mode, **record)
+            if mode == "tolerance":
+                decision["bit_exact"] = all(R.same_bits(g, w) for g, w in zip(got, want))
         exempt = _exempt_positions(op)
-        perturbed_ok = []
-        if exempt != "all":
-            for idx, (eid, slot) in enumerate(op.parent_slots):
-                if idx in exempt:
+        if exempt == "all" or mode == "shape_dtype":
+            decision.update(perturbed=[], exempt="all")
+            self.decisions.append(decision)
+            return None
+        perturbed, constants, exemptions = [], [], []
+        for idx, (eid, slot) in enumerate(op.parent_slots):
+            if idx in exempt:
+                continue
+            parent = rp.ev2op[eid]
+            if parent.kind == "constant":  # skipped; the op's other parents are still perturbed
+                constants.append(parent.label)
+                self.count("constant_parent_payload")
+                continue
+            v = parent.outs[slot]
+            if not isinstance(v, torch.Tensor) or not (v.is_floating_point() or v.is_complex()) or v.numel() == 0:
+                continue  # integer / boolean parents (indices, masks) are exempt by rule
+            if all(o is None or (isinstance(o, torch.Tensor) and o.numel() == 0) for o in want):
+                continue
+            if self.moves(op, {idx: None}, got, v, idx):
+                perturbed.append(parent.label)
+                continue
+            excuse = self.excuse(op, idx, parent, v, got)
+            if excuse is None:
+                return self.fail(op, "perturbation_insensitive", f"perturbing parent {parent.label} did not change "
+                                 f"{op.label}, and no other operand explains it")
+            exemptions.append(excuse)
+        decision.update(perturbed=perturbed, exempt=sorted(exempt))
+        if constants:
+            decision["constant_parent_payload"] = constants
+        if exemptions:
+            decision["exemptions"] = exemptions
+        self.decisions.append(decision)
+        return None
+
+    # perturbation --------------------------------------------------------------------------
+    def moves(self, op: Any, base: dict[Any, Any], ref: tuple, v: torch.Tensor, idx: int,
+              values: list[torch.Tensor] | None = None) -> bool:
+        """Does replacing parent `idx` (by perturbations of `v`, or `values`) change the
+        output, all else as in `base` (whose `None` entry is the parent being moved)?"""
+        tries = values if values is not None else [_perturbed(v, k) for k in range(_PERTURB_TRIES)]
+        for alt_value in tries:
+            override = {k: val for k, val in base.items() if val is not None}
+            override[idx] = alt_value
+            try:
+                alt = self.rp.run(op, override)
+            except Exception:
+                return True  # a perturbed value the op rejects still shows a dependence
+            if len(alt) != len(ref) or not all(R.same_bits(a, r) for a, r in zip(alt, ref)):
+                return True
+        return False
+
+    def excuse(self, op: Any, idx: int, parent: Any, v: torch.Tensor, got: tuple) -> dict[str, Any] | None:
+        """The rule under which parent `idx` legitimately does not move `op`, or None."""
+        if R.is_discrete(got):
+            moved_by = next((name for name, p in R.probes(v) if self.moves(op, {}, got, v, idx, [p])), None)
+            return {"parent": parent.label, "rule": "discrete_output",
+                    "why": f"{op.label}'s output is {got[0].dtype if isinstance(got[0], torch.Tensor) else 'discrete'}:"
+                           f" a step function of {parent.label} need not move under a perturbation"
+                           + (f" (probing {parent.label} with {moved_by} does move it)" if moved_by else
+                              " (no probe moved it either)"),
+                    "probe_moved": moved_by}
+        rp = self.rp
+        structural = R.structural_rule(op, *self._positions(op, idx))
+        if structural is not None:
+            return {"parent": parent.label, "rule": structural[0], "why": f"{structural[1]} ({op.label})"}
+        refs = _tensor_refs(op.args_template) + _tensor_refs(op.kwargs_template or {})
+        seen: set[Any] = set()
+        for ref in refs:
+            key = ref.index if ref.address is None else ref.address
+            if key == idx or key in seen:
+                continue
+            seen.add(key)
+            w = rp.parent_value(op, ref) if ref.address is not None else self._parent_out(op, ref.index)
+            if not isinstance(w, torch.Tensor) or w.numel() == 0:
+                continue
+            for k in range(2):
+                w2 = R.moved_operand(w, k)
+                if w2 is None:
+                    break
+                try:
+                    base = rp.run(op, {key: w2})
+                except Exception:
                     continue
-                parent = rp.ev2op[eid]
-                v = parent.outs[slot]
-                if not isinstance(v, torch.Tensor) or not (v.is_floating_point() or v.is_complex()) or v.numel() == 0:
-                    continue  # integer / boolean parents (indices, masks) are exempt by rule
-                if all(o is None or (isinstance(o, torch.Tensor) and o.numel() == 0) for o in want):
-                    continue
-                moved = False
-                for k in range(_PERTURB_TRIES):
-                    try:
-                        alt = rp.run(op, {idx: _perturbed(v, k)})
-                    except Exception:
-                        moved = True  # a perturbed value the op rejects still shows a dependence
-                        break
-                    if not all(_same(a, w) for a, w in zip(alt, want)):
-                        moved = True
-                        break
-                if not moved:
-                    if parent.kind == "constant":
-                        counts["constant_parent_payload"] = counts.get("constant_parent_payload", 0) + 1
-                        continue
-                    return fail(op, "perturbation_insensitive",
-                                f"perturbing parent {parent.label} did not change {op.label}")
-                perturbed_ok.append(parent.label)
-        decisions.append({"op": op.label, "ok": True, "reason": None, "perturbed": perturbed_ok,
-                          "exempt": "all" if exempt == "all" else sorted(exempt)})
-    return ValidationStatus(True, decisions=decisions, reason_counts=counts)
+                if self.moves(op, {key: w2}, base, v, idx):
+                    rule, frag = R.operand_rule(w)
+                    name = ref.address if ref.address is not None else self._parent_label(op, ref.index)
+                    return {"parent": parent.label, "rule": rule, "operand": name,
+                            "why": f"operand {name} {frag}, so {parent.label} cannot move {op.label}; with {name} "
+                                   f"moved, perturbing {parent.label} does change it"}
+        return None
+
+    def _positions(self, op: Any, idx: int) -> tuple[int, list[tuple[int, ...] | None]]:
+        """(the positional argument parent `idx` fills, or -1; each positional argument's shape)."""
+        pos, shapes = -1, []
+        for i, r in enumerate(op.args_template):
+            v = None
+            if isinstance(r, ArgRef):
+                v = self.rp.parent_value(op, r) if r.address is not None else self._parent_out(op, r.index)
+                if r.address is None and r.index == idx and pos < 0:
+                    pos = i
+            shapes.append(tuple(v.shape) if isinstance(v, torch.Tensor) else None)
+        return pos, shapes
+
+    def _parent_out(self, op: Any, index: int) -> Any:
+        eid, slot = op.parent_slots[index]
+        return self.rp.ev2op[eid].outs[slot]
+
+    def _parent_label(self, op: Any, index: int) -> str:
+        return self.rp.ev2op[op.parent_slots[index][0]].label
+
+
+def validate_trace(trace: Any, **_: Any) -> ValidationStatus:
+    """Check every op of `trace` (see the module docstring); refuses opaque ops first."""
+    from torchlens.io.opaque import refuse_opaque
+    from torchlens.viz.progress import progress
+
+    refuse_opaque(trace, trace._ops.values())  # an op loaded as opaque refuses before any op runs
+    from torchlens.intervention.preconditions import refuse_unreplayable
+
+    refuse_unreplayable(trace, trace._ops.values(), validating=True)  # e.g. torch.autograd.grad in the forward
+    checker = _Checker(trace)
+    for op in progress(trace._ops.values(), total=len(trace._ops), desc="validate"):
+        checker.check(op)
+    return checker.status()

@@ -1,7 +1,14 @@
-"""Value helpers: dtype names, payload saving, host copies, structure flattening."""
+"""Value helpers: dtype names, payload saving, host copies, structure flattening, input copies.
+
+Containers: tuples (namedtuples included), lists, dicts (Hugging Face `ModelOutput` is an
+`OrderedDict`) and dataclass instances are walked; a dataclass field reads like an attribute
+(`output.logits`), a dict key like `output['logits']`.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any, Iterator
 
 import numpy as np
@@ -49,3 +56,52 @@ def iter_leaves(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, torc
     elif isinstance(obj, dict):
         for key, item in obj.items():
             yield from iter_leaves(item, f"{path}[{key!r}]", depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_leaves(getattr(obj, f.name, None), f"{path}.{f.name}", depth + 1)
+
+
+def copy_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A copy the forward may write freely: same values, layout, dtype, device and
+    `requires_grad`; a leaf stays a leaf (so in-place rules on leaves hold as on the
+    original), a non-leaf keeps its autograd history (gradients still reach the caller's graph)."""
+    if t.is_leaf:
+        c = t.detach().clone()
+        return c.requires_grad_(t.requires_grad) if t.requires_grad else c
+    return t.clone()
+
+
+def copy_inputs(obj: Any, depth: int = 0, memo: dict | None = None) -> Any:
+    """`obj` with every tensor leaf replaced by `copy_tensor` of it, containers rebuilt
+    (tuples, namedtuples, lists, dicts and dict subclasses such as `ModelOutput`, dataclass
+    instances). A tensor passed twice is copied once (aliasing kept). Other objects are
+    passed as they are."""
+    if memo is None:
+        memo = {}
+    if isinstance(obj, torch.Tensor):
+        c = memo.get(id(obj))
+        if c is None:
+            c = memo[id(obj)] = copy_tensor(obj)
+        return c
+    if depth > 16:
+        return obj
+    if isinstance(obj, tuple):
+        items = [copy_inputs(v, depth + 1, memo) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else (tuple(items) if type(obj) is tuple else type(obj)(items))
+    if isinstance(obj, list):
+        items = [copy_inputs(v, depth + 1, memo) for v in obj]
+        return items if type(obj) is list else type(obj)(items)
+    if isinstance(obj, dict):
+        if type(obj) is dict:
+            return {k: copy_inputs(v, depth + 1, memo) for k, v in obj.items()}
+        new = copy.copy(obj)
+        for k, v in obj.items():
+            new[k] = copy_inputs(v, depth + 1, memo)
+        return new
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(new, f.name, copy_inputs(getattr(obj, f.name), depth + 1, memo))
+        return new
+    return obj

@@ -10,13 +10,24 @@ from typing import Any
 
 from torchlens.backends.codes import CAPABILITY_REFUSALS, REFUSAL_CODES, VALIDATION_REASONS
 from torchlens.backends.protocol import (
+    CAPABILITY_PROTOCOLS,
     PROTOCOL_MEMBERS,
     BackendCapabilities,
     BackendProtocol,
     BackendSpec,
     FrameworkRequirement,
+    SupportsBackward,
+    SupportsCallableTable,
+    SupportsHostValues,
+    SupportsInterventions,
+    SupportsOpRebinding,
+    SupportsPersistence,
+    SupportsValidation,
+    SupportsValidationSession,
     ValidationStatus,
     missing_members,
+    refusal_codes_for,
+    supports,
 )
 from torchlens.backends.registry import (
     KNOWN_BACKEND_EXTRAS,
@@ -31,12 +42,19 @@ __all__ = [
     "BackendCapabilities", "BackendProtocol", "BackendSpec", "BackendUnsupportedError", "FrameworkRequirement",
     "ValidationStatus", "REFUSAL_CODES", "VALIDATION_REASONS", "CAPABILITY_REFUSALS", "PROTOCOL_MEMBERS",
     "KNOWN_BACKEND_EXTRAS", "get_protocol", "get_spec", "select_backend", "specs", "missing_members",
+    "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward", "SupportsValidation",
+    "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues", "SupportsCallableTable",
+    "SupportsOpRebinding", "supports", "refusal_codes_for",
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name.startswith("_"):
         raise AttributeError(name)
+    if name == "sdk":  # the backend SDK module (imported on first use)
+        import importlib
+
+        return importlib.import_module("torchlens.backends.sdk")
     from torchlens.backends.registry import namespace
 
     if name in KNOWN_BACKEND_EXTRAS or name in specs():

@@ -62,3 +62,25 @@ VALIDATION_REASONS: frozenset[str] = frozenset({
     "declared_parents_inconsistent", "replay_coverage_incomplete",
     "replay_param_changed_since_capture",  # a parameter the op reads changed after capture
 })
+
+#: The closed list of rules under which a validation excuses what would otherwise fail: the
+#: rule name in `decisions[*]["exemptions"][*]["rule"]` (a parent that does not move the
+#: output) or `decisions[*]["compared"]` (how a replay was compared), with its meaning.
+VALIDATION_EXEMPTIONS: dict[str, str] = {
+    "zero_factor": "another operand is all zero (a zero state, a zero running mean, a zero-initialised weight or "
+                   "gamma), so the parent cannot move the output; moving that operand makes it move",
+    "constant_mask": "a bool operand is constant (all True or all False), so the unselected parent cannot move the "
+                     "output; flipping the mask makes it move",
+    "saturating_operand": "another operand holds the op where the parent cannot move the output; moving that "
+                          "operand makes it move",
+    "single_key_attention": "attention over a single key: the softmax weight is 1 whatever the query and key",
+    "size_one_softmax": "a softmax over an axis of size 1 is constant whatever its input",
+    "overwritten_receiver": "a *_scatter (a write through a view) whose source has as many elements as its receiver "
+                            "overwrites every element of it",
+    "discrete_output": "the output is bool or integer (a cast or comparison): a step function of a float parent "
+                       "need not move under a perturbation (the record says whether a probe moved it)",
+    "shape_dtype": "compared: the op returns uninitialised memory (empty, empty_like, new_empty, ...), so only its "
+                   "shape and dtype are compared",
+    "tolerance": "compared: the op ran inside a torch.compile'd region, so its eager replay is compared within a "
+                 "tolerance derived from the dtype (32 epsilons, relative and scaled by the output's magnitude)",
+}

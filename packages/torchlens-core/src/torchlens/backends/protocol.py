@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping, Protocol, runtime_checkable
 
@@ -158,6 +159,203 @@ class ValidationStatus:
     def __bool__(self) -> bool:
         return self.ok
 
+    @property
+    def state(self) -> str:
+        """"passed" or "failed" (the spec's `validation_replay_status.state`)."""
+        return "passed" if self.ok else "failed"
+
+    @property
+    def num_failed_ops(self) -> int:
+        """How many ops have a failed decision (the first is `first_failure`); at least 1
+        on a failed status whose backend stops at its first failure."""
+        n = sum(1 for d in self.decisions if d.get("ok") is False)
+        return n if self.ok or n else 1
+
+
+# capability protocols ---------------------------------------------------------------------------
+#
+# What a backend offers beyond `BackendProtocol` is typed: one runtime-checkable protocol per
+# capability, bound to the `BackendCapabilities` flag that declares it (or, for a flagless
+# extension, declared by implementing it). `check_capability_protocols` runs when the
+# protocol object is registered (`tl.backends.get_protocol`): a declared capability whose
+# members are missing, or members of a capability the backend does not declare, are refused
+# there, typed, so core reads a capability from `capabilities()` / `supports(...)` and never
+# probes for an optional member.
+
+
+@runtime_checkable
+class SupportsInterventions(Protocol):
+    """`interventions=True`: the math edits run with, and module-output edits for the bound
+    and rerun engines."""
+
+    def edit_ops(self) -> Any: ...
+    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any: ...
+
+
+@runtime_checkable
+class SupportsBackward(Protocol):
+    """`backward_capture=True`: `trace.backward(loss)` fills `op.grads` of a trace captured
+    with `CaptureOptions(backward_ready=True, save_grads=True)`."""
+
+    def backward(self, trace: Any, loss: Any, **kwargs: Any) -> Any: ...
+
+
+@runtime_checkable
+class SupportsValidation(Protocol):
+    """`validation_replay=True`: `validate` replays the ops (on a backend that declares it
+    False, the required `validate` refuses with `validation_replay_unsupported`)."""
+
+    def validate(self, trace: Any, ground_truth: Any = None) -> Any: ...
+
+
+@runtime_checkable
+class SupportsValidationSession(Protocol):
+    """Optional, needs `validation_replay=True`: a context manager `tl.validate` runs inside
+    (for example pinning the framework's intra-op threads)."""
+
+    def validation_session(self, num_threads: int | None = None) -> Any: ...
+
+
+@runtime_checkable
+class SupportsPersistence(Protocol):
+    """Optional: the codec that turns this backend's payloads into bytes and back
+    (`torchlens.io.codec.PayloadCodec`). Without it, payloads must be numpy arrays and core's
+    `NumpyCodec` is used."""
+
+    def payload_codec(self) -> Any: ...
+
+
+@runtime_checkable
+class SupportsHostValues(Protocol):
+    """Optional: a framework value holding `values` (numpy), shaped and typed like `like`."""
+
+    def from_host(self, values: Any, like: Any = None) -> Any: ...
+
+
+@runtime_checkable
+class SupportsCallableTable(Protocol):
+    """Optional: a saved callable name back to a callable, through the backend's closed table
+    only (None when the name is not in it; the op then stays opaque)."""
+
+    def resolve_callable(self, qualname: str) -> Any: ...
+
+
+@runtime_checkable
+class SupportsOpRebinding(Protocol):
+    """Optional: a loaded op's callable rebuilt from its own records (for example a JAX
+    primitive and its parameters), or None."""
+
+    def rebind_op(self, op: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CapabilityProtocol:
+    """One capability protocol: its members, the flag that declares it (None: declared by
+    implementing it) and a flag it needs (`requires`)."""
+
+    protocol: type
+    members: tuple[str, ...]
+    flag: str | None = None
+    requires: str | None = None
+
+
+CAPABILITY_PROTOCOLS: tuple[CapabilityProtocol, ...] = (
+    CapabilityProtocol(SupportsInterventions, ("edit_ops", "attach_module_edits"), flag="interventions"),
+    CapabilityProtocol(SupportsBackward, ("backward",), flag="backward_capture"),
+    CapabilityProtocol(SupportsValidation, ("validate",), flag="validation_replay"),
+    CapabilityProtocol(SupportsValidationSession, ("validation_session",), requires="validation_replay"),
+    CapabilityProtocol(SupportsPersistence, ("payload_codec",)),
+    CapabilityProtocol(SupportsHostValues, ("from_host",)),
+    CapabilityProtocol(SupportsCallableTable, ("resolve_callable",)),
+    CapabilityProtocol(SupportsOpRebinding, ("rebind_op",)),
+)
+
+
+def _has(obj: Any, member: str) -> bool:
+    """`member` is a callable the object's class defines (instance attributes do not count:
+    a capability is a property of the backend's type)."""
+    return callable(inspect.getattr_static(type(obj), member, None))
+
+
+def supports(proto: Any, protocol: type) -> bool:
+    """True when `proto` (a registered backend) offers `protocol`. For a flag-bound protocol
+    this reads the declared flag; registration guaranteed the members match it."""
+    if proto is None:
+        return False
+    for cp in CAPABILITY_PROTOCOLS:
+        if cp.protocol is protocol:
+            if cp.flag is not None:
+                return proto.capabilities().as_dict()[cp.flag]
+            return all(_has(proto, m) for m in cp.members)
+    raise TypeError(f"{protocol!r} is not a capability protocol")
+
+
+def check_capability_protocols(proto: Any) -> None:
+    """Refuse, typed, a backend whose members disagree with its declared capabilities, or
+    whose `refusal_codes()` contradict them."""
+    caps = proto.capabilities()
+    name = proto.name  # a required member, checked before this runs
+    flags = caps.as_dict()
+    for cp in CAPABILITY_PROTOCOLS:
+        present = [m for m in cp.members if _has(proto, m)]
+        missing = [m for m in cp.members if m not in present]
+        declared = True if cp.flag is None else flags[cp.flag]
+        if cp.flag is None and not present:
+            continue  # an optional extension the backend does not offer
+        if declared and missing:
+            raise BackendUnsupportedError(
+                "backend_capability_members_missing",
+                f"backend {name!r} declares {cp.flag or cp.protocol.__name__} but lacks {', '.join(missing)}",
+                remedy=f"implement every member of tl.backends.{cp.protocol.__name__}, or declare the capability False",
+                backend=name, protocol=cp.protocol.__name__, missing=missing)
+        base = set(PROTOCOL_MEMBERS)
+        extra = [m for m in present if m not in base]
+        if not declared and extra:
+            raise BackendUnsupportedError(
+                "backend_capability_undeclared",
+                f"backend {name!r} implements {', '.join(extra)} ({cp.protocol.__name__}) but declares {cp.flag}=False",
+                remedy=f"declare {cp.flag}=True in capabilities(), or remove the members", backend=name,
+                protocol=cp.protocol.__name__, members=extra)
+        if cp.requires is not None and not flags[cp.requires]:
+            raise BackendUnsupportedError(
+                "backend_capability_undeclared",
+                f"backend {name!r} implements {cp.protocol.__name__} but declares {cp.requires}=False",
+                remedy=f"declare {cp.requires}=True, or remove {', '.join(present)}", backend=name,
+                protocol=cp.protocol.__name__, members=present)
+    declared_codes = set(proto.refusal_codes())
+    for flag, value in caps.as_dict().items():
+        code = CAPABILITY_REFUSALS[flag]
+        if value == (code in declared_codes):
+            raise BackendUnsupportedError(
+                "backend_refusal_codes_inconsistent",
+                f"backend {name!r} declares {flag}={value} but its refusal_codes() "
+                f"{'lists' if value else 'omits'} {code!r}",
+                remedy="derive refusal_codes() with tl.backends.sdk.refusal_codes_for(self)", backend=name, flag=flag)
+
+
+#: Refusal codes every backend may raise whatever it declares.
+BASE_REFUSALS: frozenset[str] = frozenset({"trace_option_unsupported", "runtime_missing", "runtime_version_unsupported"})
+
+
+def refusal_codes_for(proto: Any, extra: Any = ()) -> frozenset[str]:
+    """A backend's `refusal_codes()`, derived in core: the code of every capability flag it
+    declares False, `BASE_REFUSALS`, `explicit_seed_unsupported` for a preview backend, plus
+    `extra` (its own codes from `REFUSAL_CODES`, such as `foreign_tensor_input`)."""
+    caps = proto.capabilities()
+    extra = frozenset(extra)
+    unknown = extra - REFUSAL_CODES
+    if unknown:
+        raise ValueError(f"refusal codes outside tl.backends.REFUSAL_CODES: {sorted(unknown)}")
+    supported = {CAPABILITY_REFUSALS[f] for f, v in caps.as_dict().items() if v}
+    if extra & supported:
+        raise ValueError(f"refusal codes of declared capabilities: {sorted(extra & supported)}")
+    off = {CAPABILITY_REFUSALS[f] for f, v in caps.as_dict().items() if not v}
+    seed = {"explicit_seed_unsupported"} if proto.maturity == "preview" else set()
+    return frozenset(off | BASE_REFUSALS | seed | extra)
+
 
 __all__ = ["BackendCapabilities", "FrameworkRequirement", "BackendProtocol", "BackendSpec", "ValidationStatus",
-           "PROTOCOL_MEMBERS", "REFUSAL_CODES", "VALIDATION_REASONS", "missing_members"]
+           "PROTOCOL_MEMBERS", "REFUSAL_CODES", "VALIDATION_REASONS", "missing_members", "CapabilityProtocol",
+           "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward", "SupportsValidation",
+           "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues", "SupportsCallableTable",
+           "SupportsOpRebinding", "supports", "check_capability_protocols", "refusal_codes_for", "BASE_REFUSALS"]

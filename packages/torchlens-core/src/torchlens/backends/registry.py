@@ -7,7 +7,7 @@ import sys
 import threading
 from typing import Any
 
-from torchlens.backends.protocol import BackendSpec, missing_members
+from torchlens.backends.protocol import BackendSpec, check_capability_protocols, missing_members
 from torchlens.errors import BackendUnsupportedError, InvalidArgumentError
 from torchlens.plugins.manager import get_plugin_manager
 
@@ -55,15 +55,41 @@ def get_protocol(name: str) -> Any:
     if spec.protocol is None:
         raise BackendUnsupportedError("backend_protocol_incomplete", f"backend {name!r} registers no protocol factory",
                                       remedy="set BackendSpec.protocol", backend=name)
+    refuse_framework(spec)  # read from distribution metadata: the framework is not imported for a refusal
     proto = spec.protocol()
     missing = missing_members(proto)
     if missing:
         raise BackendUnsupportedError("backend_protocol_incomplete", f"backend {name!r} lacks {', '.join(missing)}",
                                       remedy="implement every member of tl.backends.BackendProtocol", backend=name,
                                       missing=missing)
+    check_capability_protocols(proto)
     with _lock:
         _protocols[name] = proto
     return proto
+
+
+def framework_problem(spec: BackendSpec) -> str | None:
+    """`runtime_missing` / `runtime_version_unsupported` when the installed framework (read
+    from distribution metadata, never imported) is absent or outside the spec's range."""
+    fw = spec.framework
+    installed = fw.installed_version()
+    if installed is None:
+        return "runtime_missing"
+    return None if fw.contains(installed) else "runtime_version_unsupported"
+
+
+def refuse_framework(spec: BackendSpec) -> None:
+    """Raise the typed refusal of `framework_problem`, before the backend's factory (which
+    imports the framework) runs."""
+    code = framework_problem(spec)
+    if code is None:
+        return
+    fw = spec.framework
+    installed = fw.installed_version()
+    what = "is not installed" if installed is None else f"{installed} is outside the supported range {fw.range_text()}"
+    raise BackendUnsupportedError(code, f"the {spec.name} backend's framework {'/'.join(fw.distributions)} {what}",
+                                  remedy=install_hint(fw.extra or spec.name), backend=spec.name, installed=installed,
+                                  supported=fw.range_text())
 
 
 def reset_protocol_cache() -> None:
@@ -91,7 +117,9 @@ def select_backend(model: Any, args: tuple, kwargs: dict, backend: str | None = 
                                        backend=backend)
         return proto
     all_specs = specs()
-    candidates = [s for s in all_specs.values() if any(m in sys.modules for m in s.modules)]
+    # a framework outside its range is no candidate (checked once, before its protocol is made)
+    candidates = [s for s in all_specs.values() if any(m in sys.modules for m in s.modules)
+                  and (s.name in _protocols or framework_problem(s) is None)]
     for spec in candidates:
         proto = get_protocol(spec.name)
         if proto.runtime_available() is None and proto.can_handle(model, args, kwargs):

@@ -28,9 +28,17 @@ from torchlens.records.trace import Cost, Provenance, Trace
 _SOURCE_KINDS = {"input", "buffer", "output"}
 
 
+#: Property names whose spelling is their meaning: `x.T` is `T_1_2`, never `t_1_2` (`x.t()`).
+_CASED_NAMES = frozenset({"T", "H", "mT", "mH"})
+
+
 def normalize_type(func_name: str) -> str:
-    """`"__add__"` -> `"add"`, `"add_"` -> `"add"`, `"Tensor.view"` -> `"view"`, lowercased."""
-    name = func_name.rsplit(".", 1)[-1].strip("_").lower()
+    """`"__add__"` -> `"add"`, `"add_"` -> `"add"`, `"Tensor.view"` -> `"view"`, lowercased;
+    a tensor property read keeps its spelling (`"T"`, `"mT"`), so `x.T` and `x.t()` differ."""
+    short = func_name.rsplit(".", 1)[-1]
+    if short in _CASED_NAMES:
+        return short
+    name = short.strip("_").lower()
     if name.startswith("r") and func_name.startswith("__r") and func_name.endswith("__"):
         name = name[1:]  # __radd__ -> add
     if name.startswith("i") and func_name.startswith("__i") and func_name.endswith("__") and name[1:] in _INPLACE_DUNDERS:
@@ -169,9 +177,16 @@ def build_trace(
             call = mod_calls.get(cl)
             if call is not None:
                 call.op_labels.append(op.label)
+    output_slots: dict[str, list[list]] = {}
     for call in mod_calls.values():
+        ids = call.output_labels
         call.input_labels = _resolve_ids(call.input_labels, op_of_event)
-        call.output_labels = _resolve_ids(call.output_labels, op_of_event)
+        call.output_labels = _resolve_ids(ids, op_of_event)
+        slots = _output_slots(ids, op_of_event)
+        if slots is not None:
+            output_slots[call.label] = slots
+    if output_slots:  # saved with the trace: a loaded trace's calls return the same slots
+        trace.annotations["module_output_slots"] = output_slots
 
     # params and buffers ---------------------------------------------------------------------
     for op in ordered_ops:
@@ -181,6 +196,9 @@ def build_trace(
                 p.consumer_labels.append(op.label)
         if op.kind == "buffer" and op.path in trace._buffers:
             trace._buffers[op.path].op_labels.append(op.label)
+        for addr in op.meta.get("buffer_write", ()) if op.meta else ():  # every recorded write is a version
+            if addr in trace._buffers and op.label not in trace._buffers[addr].op_labels:
+                trace._buffers[addr].op_labels.append(op.label)
 
     trace.uncalled_modules = [a for a, m in trace._modules.items() if not m.calls]
     trace.cost = cost or _cost(trace)
@@ -188,6 +206,21 @@ def build_trace(
 
     stamp_params(trace)  # replay refuses parameters changed after this point
     return trace
+
+
+def _output_slots(ids: Any, op_of_event: dict[int, Op]) -> list[list] | None:
+    """`[[op label, slot], ...]` for a module call's returned tensors, in return order, when
+    the labels alone would say more or less than the call returned: a multi-output op of
+    which only some slots were returned (a router's `topk(...)[1]`), or one op returned in
+    several slots (both outputs of `torch.max`). None when each label is one whole output."""
+    pairs = []
+    for pid, slot in ids or ():
+        op = op_of_event.get(pid)
+        if op is not None:
+            pairs.append([op.label, slot])
+    if not any(op_of_event[pid].multi_output for pid, _ in ids or () if pid in op_of_event):
+        return None
+    return pairs
 
 
 def _resolve_ids(ids: Any, op_of_event: dict[int, Op]) -> list[str]:

@@ -8,6 +8,7 @@ from torchlens.intervention.edits import (
     add_noise,
     clamp,
     clip_norm,
+    compose,
     hook,
     keep_grad,
     mean_ablate,
@@ -38,7 +39,7 @@ from torchlens.intervention.subspace import (
 
 __all__ = [
     "Edit", "HookContext", "SubspaceSite", "UnitsSite", "set_affine_coordinates", "subspace", "units", "Recipe", "Rule", "BoundModel", "EditPlan", "when",
-    "keep_grad", "positions", "splice_module", "sweep", "subspace_ablate", "subspace_interchange",
+    "compose", "keep_grad", "positions", "splice_module", "sweep", "subspace_ablate", "subspace_interchange",
     "add", "add_noise", "clamp", "clip_norm", "hook", "mean_ablate", "patch_from", "project_onto", "project_out",
     "replace_with", "scale", "scramble_elements", "steer", "swap_with", "zero_ablate",
 ]

@@ -18,6 +18,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from torchlens.errors import AmbiguousAxisError, InterventionError
 from torchlens.intervention import checks as C
 
@@ -484,58 +486,176 @@ def splice_module(module: Any, input_route: str = "out") -> Edit:
                 lambda v, ctx: module(v), portability="session", signal="forward", allow_shape_change=True)
 
 
-def _positions(pos: Any) -> tuple[int, ...]:
-    remedy = "pass an int or a list of ints (negative counts from the end), e.g. tl.positions(edit, [-1])"
+def _positions(pos: Any) -> Any:
+    """A uniform form as a tuple of ints or a slice; "first"/"last" as text; a per-row
+    (batch,) index tensor as a host int array."""
+    remedy = ("pass an int, a list of ints, a slice, a (batch,) index tensor, or 'first' / 'last' with mask=, "
+              "e.g. tl.positions(edit, [-1])")
     if isinstance(pos, numbers.Integral) and not isinstance(pos, bool):
         return (int(pos),)
     if isinstance(pos, (list, tuple, range)) and len(pos) > 0 and all(
             isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in pos):
         return tuple(int(p) for p in pos)
+    if isinstance(pos, slice) and all(v is None or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
+                                      for v in (pos.start, pos.stop, pos.step)) and pos.step != 0:
+        return pos
+    if isinstance(pos, str) and pos in ("first", "last"):
+        return pos
+    if C.is_tensor_like(pos):
+        arr = C.to_numpy(pos)
+        if arr.ndim == 1 and arr.size and np.issubdtype(arr.dtype, np.integer):
+            return arr.astype(np.int64)
     raise InterventionError("position_edit_invalid", f"positions={pos!r:.80} is not a supported form", remedy=remedy,
                             form=type(pos).__name__)
 
 
+def _mask_rows(mask: Any, batch: int, n: int) -> np.ndarray:
+    """The (batch, tokens) real-token mask as bool, or transform_mask_incompatible."""
+    m = C.to_numpy(mask)
+    if m.dtype != np.bool_:
+        if not (np.issubdtype(m.dtype, np.integer) or np.issubdtype(m.dtype, np.floating)) or not np.all(np.isin(m, (0, 1))):
+            raise InterventionError("transform_mask_incompatible", f"positions: the mask has dtype {m.dtype} with values "
+                                    "other than 0/1", remedy="pass a (batch, tokens) attention mask of 0/1 or bool")
+        m = m.astype(bool)
+    if m.shape != (batch, n):
+        raise InterventionError("transform_mask_incompatible", f"positions: the mask has shape {m.shape}; the value has "
+                                f"{batch} rows of {n} tokens", remedy="pass the (batch, tokens) attention mask of this "
+                                "input", mask_shape=tuple(m.shape), expected=(batch, n))
+    empty = [i for i in range(batch) if not m[i].any()]
+    if empty:
+        raise InterventionError("transform_mask_incompatible", f"positions: rows {empty} of the mask have no real token",
+                                remedy="every row needs at least one real token (mask True)", rows=empty)
+    return m
+
+
 def positions(edit: Any, positions: Any, *, mask: Any = None, assume_no_padding: bool = False, axis: int = 1) -> Edit:
-    """Restrict a same-shape edit to chosen token positions of a (batch, tokens, ...) value."""
+    """Restrict a same-shape edit to chosen token positions of a (batch, tokens, ...) value:
+    an int, a list of ints, a slice, a per-row (batch,) index tensor, or "first" / "last"
+    (the first or last REAL token of each row, from mask= or assume_no_padding=True)."""
     inner = as_edit(edit)
     pos = _positions(positions)
-    if mask is not None:
-        raise InterventionError("position_edit_invalid", "positions(mask=...) is not supported by this build",
-                                remedy="pass explicit positions with mask=None")
     C.flag("positions", "assume_no_padding", assume_no_padding)
     ax = C.integer("positions", "axis", axis, remedy="axis= the token axis (an int)", code="position_edit_invalid")
+    if isinstance(pos, str):
+        if mask is None and not assume_no_padding:
+            raise InterventionError("transform_mask_missing", f"positions={pos!r} picks the {pos} REAL token of each row, "
+                                    "which needs the padding mask", remedy=f"tl.positions(edit, {pos!r}, mask=attention_mask)"
+                                    ", or assume_no_padding=True when no row is padded", positions=pos)
+        if mask is not None and assume_no_padding:
+            raise InterventionError("position_edit_invalid", "mask= and assume_no_padding=True contradict each other",
+                                    remedy="pass one of them")
+        if mask is not None and not C.is_tensor_like(mask) and not isinstance(mask, list):
+            raise InterventionError("transform_mask_incompatible", f"positions: mask={type(mask).__name__} is not an array",
+                                    remedy="pass the (batch, tokens) attention mask")
+    elif mask is not None:
+        raise InterventionError("position_edit_invalid", "mask= only applies to positions='first' or 'last'",
+                                remedy="drop mask= for explicit positions")
+    per_row = isinstance(pos, str) or isinstance(pos, np.ndarray)
+    if per_row and ax == 0:
+        raise InterventionError("position_edit_invalid", "a per-row position form needs the token axis after the batch "
+                                "axis", remedy="axis=1 (the default)")
 
-    def own_check(site: tuple) -> None:
+    def rows(site: tuple) -> Any:
+        """A bool (batch, n) selection for per-row forms, or the picked indices of axis `ax`."""
         a = C.axis_in("positions", ax, site, "position_edit_invalid", "axis= an axis of the site (the token axis)")
         n = site[a]
-        out = [p for p in pos if not -n <= p < n]
-        if out:
-            raise InterventionError("position_edit_out_of_range", f"positions {out} are past a sequence of {n} tokens",
-                                    remedy=f"positions in range(-{n}, {n})", positions=out, length=n)
+        if isinstance(pos, slice):
+            return list(range(n))[pos]
+        if isinstance(pos, tuple):
+            out = [p for p in pos if not -n <= p < n]
+            if out:
+                raise InterventionError("position_edit_out_of_range", f"positions {out} are past a sequence of {n} tokens",
+                                        remedy=f"positions in range(-{n}, {n})", positions=out, length=n)
+            return [p % n for p in pos]
+        batch = site[0]
+        if isinstance(pos, np.ndarray):
+            if pos.shape != (batch,):
+                raise InterventionError("position_edit_invalid", f"a per-row index tensor has shape {pos.shape}; the value "
+                                        f"has {batch} rows", remedy=f"pass a ({batch},) index tensor")
+            bad = [int(p) for p in pos if not -n <= p < n]
+            if bad:
+                raise InterventionError("position_edit_out_of_range", f"positions {bad} are past a sequence of {n} tokens",
+                                        remedy=f"positions in range(-{n}, {n})", positions=bad, length=n)
+            idx = pos % n
+        elif mask is None:  # assume_no_padding
+            idx = np.full(batch, 0 if pos == "first" else n - 1)
+        else:
+            m = _mask_rows(mask, batch, n)
+            idx = m.argmax(axis=1) if pos == "first" else n - 1 - m[:, ::-1].argmax(axis=1)
+        sel = np.zeros((batch, n), dtype=bool)
+        sel[np.arange(batch), idx] = True
+        return sel
+
+    def own_check(site: tuple) -> None:
+        rows(site)
 
     def fn(v: Any, ctx: HookContext) -> Any:
         new = inner(v, ctx)
-        a = ax % len(v.shape)
-        n = v.shape[a]
-        picked = [p % n for p in pos]
-        keep = [i for i in range(n) if i not in picked]
-        if not keep:
+        shape = tuple(v.shape)
+        a = ax % len(shape)
+        n = shape[a]
+        picked = rows(shape)
+        if isinstance(picked, np.ndarray):  # per-row (batch, n): batch on axis 0, tokens on axis a
+            dims = [1] * len(shape)
+            dims[0], dims[a] = shape[0], n
+            return ctx.ops.where(ctx.ops.asarray(picked.reshape(dims), None), new, v)
+        if len(picked) == n:
             return new
         moved_new, moved_old = ctx.ops.moveaxis(new, a, 0), ctx.ops.moveaxis(v, a, 0)
         sel = ctx.ops.asarray([[i in picked] for i in range(n)], None)
-        sel = sel.reshape((n,) + (1,) * (len(v.shape) - 1))
+        sel = sel.reshape((n,) + (1,) * (len(shape) - 1))
         return ctx.ops.moveaxis(ctx.ops.where(sel, moved_new, moved_old), 0, a)
 
-    return _builtin(Edit("positions", (("edit", inner.identity()), ("positions", pos), ("axis", axis)), fn,
+    stored = pos if not isinstance(pos, np.ndarray) else tuple(int(p) for p in pos)
+    if isinstance(stored, slice):
+        stored = ("slice", stored.start, stored.stop, stored.step)
+    return _builtin(Edit("positions", (("edit", inner.identity()), ("positions", stored), ("axis", axis)), fn,
                          portability=inner.portability, signal=inner.signal, tensors=inner.tensors,
                          check=_both(own_check, inner.check)), trusted=inner.trusted)
 
 
+def compose(*edits: Any) -> Edit:
+    """Apply `edits` one after another (each on the previous one's result), as one edit.
+    keep_grad(compose(tl.scale(0.0), tl.add(v))) is the graph-keeping fixed value. It saves
+    only at the audit level (its parts are not stored one by one) and has no subspace form."""
+    if not edits:
+        raise InterventionError("intervention_edit_invalid", "compose needs at least one edit",
+                                remedy="tl.intervention.compose(tl.scale(0.0), tl.add(v))")
+    parts = tuple(as_edit(e) for e in edits)
+    for e in parts:
+        if e.signal == "backward":
+            raise InterventionError("intervention_edit_invalid", f"compose chains forward edits; {e.name} is a backward "
+                                    "edit", remedy="stage the backward edit on tl.grad(site) on its own", edit=e.name)
+    signal = "forward" if any(e.signal == "forward" for e in parts) else None
+    trusted = all(e.trusted for e in parts)
+
+    def fn(v: Any, ctx: HookContext) -> Any:
+        for e in parts:
+            v = fire(e, v, ctx)
+        return v
+
+    return _builtin(Edit("compose", (("edits", tuple(e.identity() for e in parts)),), fn, portability="session",
+                         signal=signal, tensors=tuple(t for e in parts for t in e.tensors),
+                         allow_shape_change=any(e.allow_shape_change for e in parts), check=parts[0].check), trusted=trusted)
+
+
+def _is_rule_or_site(obj: Any) -> bool:
+    """A Rule, Recipe or selector is not an edit (a gradient rule tl.when(tl.grad(s), e) least of all)."""
+    from torchlens.intervention.recipe import Recipe, Rule
+    from torchlens.select.selectors import Selector
+
+    return isinstance(obj, (Rule, Recipe, Selector))
+
+
 def keep_grad(edit: Any) -> Edit:
     """The same forward edit, checked at fire time to keep the autograd graph."""
-    if not (isinstance(edit, Edit) or callable(edit)):
-        raise InterventionError("keep_grad_edit_invalid", f"keep_grad wraps an edit or a hook callable, not "
-                                f"{type(edit).__name__}", remedy="keep_grad(tl.scale(0.0))")
+    if not (isinstance(edit, Edit) or callable(edit)) or _is_rule_or_site(edit):
+        raise InterventionError("keep_grad_edit_invalid", f"keep_grad wraps a forward edit or a hook callable, not "
+                                f"{type(edit).__name__}", remedy="keep_grad(tl.scale(0.0)); stage it with "
+                                "tl.when(site, keep_grad(edit))", given=type(edit).__name__)
+    if isinstance(edit, Edit) and edit.signal == "backward":
+        raise InterventionError("keep_grad_edit_invalid", f"keep_grad checks forward edits; {edit.name} is a backward edit",
+                                remedy="apply the backward edit on tl.grad(site) without keep_grad", edit=edit.name)
     inner = as_edit(edit)
 
     def fn(v: Any, ctx: HookContext) -> Any:

@@ -57,6 +57,9 @@ def replay(trace: Any, edits: dict[str, list[Edit]], *, allow_changed_params: bo
 
     cone = _cone(trace, order[0].index, edits, ev2label)
     refuse_opaque(trace, cone)  # before any op or edit runs
+    from torchlens.intervention.preconditions import check_value_reads, refuse_unreplayable
+
+    refuse_unreplayable(trace, cone)  # ops the capture marked as not re-executable (autograd.grad in the forward)
     from torchlens.intervention.params import check_params_unchanged
 
     used_changed = check_params_unchanged(trace, cone, allow=allow_changed_params)  # before any op or edit runs
@@ -80,6 +83,7 @@ def replay(trace: Any, edits: dict[str, list[Edit]], *, allow_changed_params: bo
             outs = _payload(op)
         if mine:
             outs = apply_edits(trace, op, outs, mine, ops, run_state)
+        check_value_reads(op, outs)  # a value the forward read into Python (a data-dependent shape) must hold
         changed[op.label] = outs
     return changed, reexecuted
 

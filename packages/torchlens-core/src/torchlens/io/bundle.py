@@ -214,7 +214,9 @@ def encode_tables(trace: Any, enc: Encoder) -> dict[str, dict[str, Any]]:
         annotations["armed_gradient_edits"] = armed
     tables = {
         "trace": _table("trace", [_row(enc, "trace", {"name": trace.name, "uncalled_modules": trace.uncalled_modules,
-                                                       "options": trace.options, "annotations": annotations}, 0)]),
+                                                       "options": trace.options, "annotations": annotations,
+                                                       "backward_passes": int(trace.__dict__.get("_backward_passes", 0))},
+                                      0)]),
         "provenance": _table("provenance", [_row(enc, "provenance", {c: getattr(prov, c) for c, _ in SCHEMAS["provenance"]}, 0)]),
         "cost": _table("cost", [_row(enc, "cost", {c: getattr(cost, c) for c, _ in SCHEMAS["cost"]}, 0)]),
     }

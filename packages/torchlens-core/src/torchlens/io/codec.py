@@ -1,7 +1,7 @@
 """Payload codecs: how a backend's framework-native values become bytes on disk and back.
 
-Core never looks inside a payload. A backend offers a `PayloadCodec` through the optional
-protocol member `payload_codec()`; the codec turns a value into an `EncodedPayload` (a
+Core never looks inside a payload. A backend offers a `PayloadCodec` through the capability
+protocol `tl.backends.SupportsPersistence` (`payload_codec()`); the codec turns a value into an `EncodedPayload` (a
 numpy array holding the value's exact bytes plus a neutral dtype tag and string metadata)
 and back. Core's `NumpyCodec` serves numpy payloads (the reference backend uses it).
 """
@@ -86,11 +86,13 @@ class NumpyCodec:
 
 
 def backend_codec(backend: Any) -> PayloadCodec:
-    """The codec a backend protocol object offers, or core's `NumpyCodec` when it offers none."""
-    factory = getattr(backend, "payload_codec", None)
-    if factory is None:
+    """The codec a backend protocol object offers (`SupportsPersistence`), or core's
+    `NumpyCodec` when it offers none."""
+    from torchlens.backends.protocol import SupportsPersistence, supports
+
+    if not supports(backend, SupportsPersistence):
         return NumpyCodec()
-    return factory()
+    return backend.payload_codec()
 
 
 def codec_named(name: str, backend_name: str) -> PayloadCodec:

@@ -197,14 +197,16 @@ def _rebuild_edit(name: str, kw: dict[str, Any], where: str, depth: int = 0) -> 
         if name in simple:
             return simple[name](**kw)
         if name == "subspace_ablate":
-            return tl.intervention.subspace_ablate(_basis_rows(kw["rows"], where))
+            return tl.intervention.subspace_ablate(_basis_rows(kw["rows"], where), mode=kw.get("mode", "zero"),
+                                                   dim=kw.get("dim", -1), mean=kw.get("mean"), seed=kw.get("seed"))
         if name in ("subspace_edit", "units_edit"):
             if depth >= 2 or not isinstance(kw["verb"], str) or not isinstance(kw["verb_kwargs"], tuple):
                 raise _malformed(f"{where}: the inner verb is not a built-in helper with its arguments")
             verb_kw = dict(kw["verb_kwargs"])
             verb = _rebuild_edit(kw["verb"], verb_kw, where + ".verb", depth + 1)
+            mask = _stored_mask(kw, where)
             if name == "units_edit":
-                return units_edit(kw["mask"], verb)
+                return units_edit(mask, verb)
             rows = _basis_rows(kw["rows"], where)
             if not np.all(np.isfinite(rows)):
                 raise ArtifactError("subspace_spec_invalid", f"{where}: stored basis rows are malformed",
@@ -215,14 +217,51 @@ def _rebuild_edit(name: str, kw: dict[str, Any], where: str, depth: int = 0) -> 
             if not np.allclose(rows @ rows.T, np.eye(rows.shape[0]), atol=1e-6):
                 raise ArtifactError("subspace_spec_basis_not_orthonormal", f"{where}: stored rows are not orthonormal",
                                     remedy="save the spec again from its source")
-            return subspace_edit_from_rows(rows, verb, mask=kw.get("mask"), origin=kw.get("origin"),
-                                               method=kw.get("method"), orthonormalised=bool(kw.get("orthonormalised")))
+            if kw.get("axis", -1) != -1:
+                raise ArtifactError("subspace_spec_invalid", f"{where}: stored axis {kw.get('axis')!r:.40} is not the "
+                                    "last axis (-1), the only axis a subspace edit binds", remedy="save the spec again")
+            prov = {k: kw.get(k) for k in ("basis_sha256", "basis_dtype")}
+            if not all(v is None or type(v) is str for v in prov.values()):
+                raise ArtifactError("subspace_spec_invalid", f"{where}: stored basis provenance is not text",
+                                    remedy="save the spec again")
+            return subspace_edit_from_rows(rows, verb, mask=mask, origin=kw.get("origin"),
+                                           method=kw.get("method"), orthonormalised=bool(kw.get("orthonormalised")), **prov)
     except TorchLensError:
         raise
     except Exception as exc:  # a helper refusing arguments read from the file: typed, cause chained
         raise _malformed(f"{where}: helper {name!r:.80} arguments do not rebuild it ({type(exc).__name__}: "
                          f"{str(exc)[:200]})") from exc
     raise ArtifactError("recipe_record_malformed", f"{where}: unknown helper {name!r:.80}", remedy="save the spec again")
+
+
+def _stored_mask(kw: dict[str, Any], where: str) -> Any:
+    """A saved element mask, checked against its stored sha256 before it is used: a mask that
+    is not a boolean array refuses subspace_spec_invalid, one changed after saving (or saved
+    without its digest) subspace_spec_mask_tampered."""
+    if "mask" not in kw:
+        return None
+    from torchlens.intervention.subspace import array_sha256
+
+    mask = kw["mask"]
+    try:
+        arr = np.asarray(mask if isinstance(mask, np.ndarray) else _host_array(mask))
+    except Exception:
+        arr = None
+    if arr is None or arr.dtype != np.bool_ or arr.ndim == 0:
+        raise ArtifactError("subspace_spec_invalid", f"{where}: the stored mask is not a boolean array",
+                            remedy="save the spec again")
+    digest = kw.get("mask_sha256")
+    if type(digest) is not str or array_sha256(arr) != digest:
+        raise ArtifactError("subspace_spec_mask_tampered", f"{where}: the stored mask does not match its sha256 "
+                            f"({'no digest saved' if type(digest) is not str else 'changed after saving'})",
+                            remedy="save the spec again from its source", where=where)
+    return mask
+
+
+def _host_array(v: Any) -> np.ndarray:
+    from torchlens.intervention.checks import to_numpy
+
+    return to_numpy(v)
 
 
 def _basis_rows(value: Any, where: str) -> np.ndarray:

@@ -105,6 +105,10 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
     trace.uncalled_modules = t_row["uncalled_modules"]
     trace.options = t_row["options"]
     trace.annotations = t_row["annotations"]
+    if t_row["backward_passes"] < 0:
+        raise ArtifactError("record_schema_invalid", "trace.backward_passes is negative",
+                            remedy="the records are damaged; save the trace again", at="trace.backward_passes")
+    trace.__dict__["_backward_passes"] = t_row["backward_passes"]  # trace.autograd.backward_passes
     trace.provenance = Provenance(**p_row)
     trace.cost = Cost(**c_row)
     trace._output = None
@@ -156,17 +160,19 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
 
 def _rebind_callables(trace: Trace) -> None:
     """Turn saved callable names back into the backend's callables, through its closed table
-    only: `rebind_op(op)` (rebuilds an op from its own records, e.g. a JAX primitive from the
-    primitive table) or `resolve_callable(name)` (a name in the backend's callable table).
+    only: `rebind_op(op)` (`SupportsOpRebinding`: rebuilds an op from its own records, e.g. a
+    JAX primitive from the primitive table) or `resolve_callable(name)`
+    (`SupportsCallableTable`: a name in the backend's callable table).
     Nothing here imports a module or looks a dotted path up. An op whose name neither
     resolves keeps its `CallablePlaceholder` and is opaque: every replay verb refuses it with
     `opaque_op_not_replayable` before running anything (`io/opaque.py`). Placeholders in other
     cells (argument templates, meta, options, parameter values) are never re-bound."""
+    from torchlens.backends.protocol import SupportsCallableTable, SupportsOpRebinding, supports
     from torchlens.types import CallablePlaceholder
 
     backend = trace._backend
-    resolve = getattr(backend, "resolve_callable", None)
-    rebind_op = getattr(backend, "rebind_op", None)  # per-op: from the op's own records
+    resolve = backend.resolve_callable if supports(backend, SupportsCallableTable) else None
+    rebind_op = backend.rebind_op if supports(backend, SupportsOpRebinding) else None  # per-op: from its own records
     if resolve is None and rebind_op is None:
         return
     cache: dict[str, Any] = {}

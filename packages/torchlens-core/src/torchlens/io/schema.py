@@ -27,7 +27,8 @@ from torchlens.io.codec import EncodedPayload, PayloadCodec
 from torchlens.types import CallablePlaceholder, UnencodableValue
 
 SCHEMAS: dict[str, list[tuple[str, str]]] = {
-    "trace": [("name", "str"), ("uncalled_modules", "str_list"), ("options", "value"), ("annotations", "value")],
+    "trace": [("name", "str"), ("uncalled_modules", "str_list"), ("options", "value"), ("annotations", "value"),
+              ("backward_passes", "int")],
     "provenance": [
         ("backend", "str"), ("backend_version", "str?"), ("framework_version", "str?"), ("kind", "str"),
         ("model_class", "str"), ("start_time", "float"), ("end_time", "float"), ("duration", "float"),

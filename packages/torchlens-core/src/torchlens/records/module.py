@@ -32,11 +32,25 @@ class ModuleCall:
         return [self._trace.ops[label] for label in self.output_labels]
 
     @property
+    def output_slots(self) -> list[tuple[str, int | None]]:
+        """(op label, output slot) per tensor the call returned, in return order: a router
+        returning `topk(...)[1]` gives `[("topk_1_5", 1)]`, not the whole pair. The slot is
+        None where the label stands for its op's whole output."""
+        ann = getattr(self._trace, "annotations", None) or {}
+        slots = (ann.get("module_output_slots") or {}).get(self.label)
+        if slots is None:
+            return [(label, None) for label in self.output_labels]
+        return [(str(label), int(slot)) for label, slot in slots]
+
+    @property
     def out(self) -> Any:
-        outs = self.output_ops
-        if len(outs) == 1:
-            return outs[0].out
-        return tuple(o.out for o in outs)
+        """The value the call returned: one tensor, or a tuple in return order (each output
+        slot as returned, see `output_slots`)."""
+        ops = self._trace.ops
+        vals = [ops[label].out if slot is None else ops[label].outs[slot] for label, slot in self.output_slots]
+        if len(vals) == 1:
+            return vals[0]
+        return tuple(vals)
 
     @property
     def num_layers(self) -> int:

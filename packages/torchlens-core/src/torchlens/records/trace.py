@@ -136,6 +136,35 @@ class Trace:
         """Ops whose output held NaN or Inf (needs on_nonfinite='track', 'warn' or 'raise')."""
         return self.ops.nonfinite
 
+    # fact groups (records/facts.py) ---------------------------------------------------
+    @property
+    def source(self) -> Any:
+        """Facts about the model's source code (`SourceFacts`)."""
+        from torchlens.records.facts import source_facts
+
+        return source_facts(self)
+
+    @property
+    def health(self) -> Any:
+        """How complete the capture really was (`HealthFacts`)."""
+        from torchlens.records.facts import health_facts
+
+        return health_facts(self)
+
+    @property
+    def graph(self) -> Any:
+        """The graph's shape: edges, recurrence, orphans, tied parameters (`GraphFacts`)."""
+        from torchlens.records.facts import graph_facts
+
+        return graph_facts(self)
+
+    @property
+    def autograd(self) -> Any:
+        """The backward records (`AutogradFacts`)."""
+        from torchlens.records.facts import autograd_facts
+
+        return autograd_facts(self)
+
     @property
     def num_ops(self) -> int:
         return len(self._ops)
@@ -313,7 +342,9 @@ class Trace:
                 remedy="apply them on a rerun: trace.do(tl.grad(site), edit, model=model, inputs=x, loss=...), or "
                 "capture with intervene=tl.when(tl.grad(site), edit); trace.clear_edits() drops them",
                 rules=[repr(r.target) for r in pending])
-        return self._verb("backward")(self, loss, **kwargs)
+        result = self._verb("backward")(self, loss, **kwargs)
+        self.__dict__["_backward_passes"] = int(self.__dict__.get("_backward_passes", 0)) + 1  # trace.autograd
+        return result
 
     def validate_forward_pass(self) -> bool:
         """Replay every op from its saved inputs (under its recorded RNG state) and compare;

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from torchlens.report.scorecard import scorecard_row
+from torchlens.report.scorecard import capability_row, scorecard_row
 
 
 @dataclass(frozen=True)
@@ -53,22 +53,31 @@ def _version(dist: str) -> str | None:
 
 
 def doctor() -> DoctorReport:
-    """Every loaded plugin (entry-point name, distribution, version), every registered
-    backend (maturity, installed framework version, supported range, pin) and its
-    scorecard row. Reads metadata and shipped records only."""
+    """Every plugin (entry-point name, distribution, version; a broken or blocked one named
+    with why), every registered backend (maturity, installed framework version, supported
+    range, pin), its scorecard row and its capability coverage. Reads metadata and shipped
+    records only; never raises for a faulty plugin."""
     from torchlens import __version__
     from torchlens.backends.registry import install_hint
-    from torchlens.plugins.manager import get_plugin_manager
+    from torchlens.errors import PluginError
+    from torchlens.plugins.manager import DISABLE_ENV, get_plugin_manager
 
     pm = get_plugin_manager()
     pm.load()
     rows = [DoctorRow("torchlens", "torchlens core", "ok",
                       f"torchlens-core {_version('torchlens-core') or __version__}, python {platform.python_version()}, "
                       f"{sys.platform}")]
+    try:
+        specs = pm.backends()  # before the plugin rows: a plugin whose hook fails is marked broken here
+    except PluginError as exc:  # two plugins register one backend name: say so, list the rest
+        specs = {}
+        rows.append(DoctorRow("plugins", "plugin registry", "error", exc.message, exc.remedy))
     for p in pm.plugins:
-        rows.append(DoctorRow(f"plugin:{p.name}", f"plugin {p.name}", "loaded",
-                              f"{p.group} = {p.value}; distribution {p.distribution} {p.version}"))
-    specs = pm.backends()
+        suggestion = {"broken": f"fix or uninstall {p.distribution}, or set {DISABLE_ENV}={p.name}",
+                      "blocked": f"listed in {DISABLE_ENV} (or blocked by the application)"}.get(p.status, "")
+        rows.append(DoctorRow(f"plugin:{p.name}", f"plugin {p.name}", p.status,
+                              f"{p.group} = {p.value}; distribution {p.distribution} {p.version}"
+                              + (f"; {p.error}" if p.error else ""), suggestion))
     for name, spec in specs.items():
         fw = spec.framework
         installed = fw.installed_version()
@@ -79,6 +88,6 @@ def doctor() -> DoctorReport:
                               f"supported {fw.range_text()}, pinned {fw.pinned}",
                               "" if in_range else install_hint(fw.extra or name)))
     for name, spec in specs.items():
-        r = scorecard_row(spec)
-        rows.append(DoctorRow(r["key"], r["label"], r["status"], r["detail"], r["suggestion"]))
+        for r in (scorecard_row(spec), capability_row(spec)):
+            rows.append(DoctorRow(r["key"], r["label"], r["status"], r["detail"], r["suggestion"]))
     return DoctorReport(rows)

@@ -64,3 +64,125 @@ def scorecard_row(spec: Any) -> dict[str, str]:
         status, suggestion = "not_tested", f"the durable tier has not run for {spec.name}"
     return {"key": f"backend_scorecard:{spec.name}", "label": f"{spec.name} backend scorecard", "status": status,
             "detail": detail, "suggestion": suggestion}
+
+
+# capability coverage (apart from cell outcomes) -------------------------------------------------
+
+def coverage_of(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The record's capability coverage (`supported`, `total`, `unsupported`, `untested`),
+    recomputed from its `capabilities` summary when an older record has no `coverage`."""
+    if not record or not isinstance(record.get("capabilities"), dict):
+        return None
+    caps = record["capabilities"]
+    return {"supported": sum(1 for v in caps.values() if v == "supported"), "total": len(caps),
+            "unsupported": sorted(f for f, v in caps.items() if v == "unsupported"),
+            "untested": sorted(f for f, v in caps.items() if v == "untested")}
+
+
+def coverage_text(record: dict[str, Any] | None) -> str:
+    """`supported k/n; unsupported: a, b; untested: c` (or why there is no coverage)."""
+    cov = coverage_of(record)
+    if cov is None:
+        return "no capability record"
+    text = f"supported {cov['supported']}/{cov['total']}"
+    if cov["unsupported"]:
+        text += "; unsupported: " + ", ".join(cov["unsupported"])
+    if cov["untested"]:
+        text += "; untested: " + ", ".join(cov["untested"])
+    return text
+
+
+def summary_lines(record: dict[str, Any]) -> list[str]:
+    """Two lines for people: cell outcomes (with how many passed cells only verify a
+    refusal), then capability coverage."""
+    cells: dict[str, dict] = record.get("cells", {})
+    count = {k: sum(1 for c in cells.values() if c.get("outcome") == k) for k in ("passed", "failed", "unsupported")}
+    refusals = sum(1 for cid, c in cells.items() if cid.startswith("c1_refusal_") and c.get("outcome") == "passed")
+    name = record.get("backend", "?")
+    return [f"{name} ({record.get('maturity', '?')}): cells {count['passed']}/{len(cells)} passed "
+            f"({refusals} of them verify a refusal), {count['unsupported']} unsupported, {count['failed']} failed; "
+            f"highest tier {record.get('highest_tier', '?')}",
+            f"{name} capabilities: {coverage_text(record)}"]
+
+
+def capability_row(spec: Any) -> dict[str, str]:
+    """The doctor's `backend_capabilities:<name>` row: capability coverage from the shipped
+    record, shown apart from the cells (a passed refusal cell is not a supported capability)."""
+    record = read_scorecard(spec)
+    cov = coverage_of(record)
+    if cov is None:
+        status = "not_tested"
+    elif cov["untested"]:
+        status = "untested"
+    else:
+        status = "full" if cov["supported"] == cov["total"] else "partial"
+    return {"key": f"backend_capabilities:{spec.name}", "label": f"{spec.name} backend capabilities", "status": status,
+            "detail": coverage_text(record),
+            "suggestion": "" if status in ("full", "partial") else
+            f"python -m torchlens_conformance.scorecard --backend {spec.name} --write"}
+
+
+_TABLE_BEGIN = "<!-- capability-table:begin (generated: python -m torchlens.report --write-docs) -->"
+_TABLE_END = "<!-- capability-table:end -->"
+_MARK = {"supported": "yes", "unsupported": "no", "untested": "not yet proven"}
+
+
+def capability_table(records: dict[str, dict[str, Any]]) -> str:
+    """The Markdown capability table of `docs/backends.md`: one column per backend, one row
+    per capability flag, then the coverage line, from the shipped scorecard records."""
+    names = sorted(records)
+    flags = sorted({f for r in records.values() for f in (r.get("capabilities") or {})})
+    lines = ["| capability | " + " | ".join(f"`{n}`" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for flag in flags:
+        cells = [_MARK.get((records[n].get("capabilities") or {}).get(flag, ""), "?") for n in names]
+        lines.append(f"| `{flag}` | " + " | ".join(cells) + " |")
+    covs = [coverage_of(records[n]) for n in names]
+    lines.append("| **supported** | " + " | ".join(f"{c['supported']}/{c['total']}" if c else "?" for c in covs) + " |")
+    return "\n".join(lines)
+
+
+def shipped_records() -> dict[str, dict[str, Any]]:
+    """name -> shipped scorecard record, for every registered backend that ships one."""
+    from torchlens.backends.registry import specs
+
+    out = {}
+    for name, spec in specs().items():
+        record = read_scorecard(spec)
+        if record is not None:
+            out[name] = record
+    return out
+
+
+def docs_with_table(text: str, table: str) -> str:
+    """`text` with the block between the capability-table markers replaced by `table`."""
+    start, end = text.find(_TABLE_BEGIN), text.find(_TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError("the capability-table markers are missing")
+    return text[:start + len(_TABLE_BEGIN)] + "\n" + table + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m torchlens.report --write-docs [PATH] | --check-docs [PATH]`: write or check
+    the capability table in docs/backends.md from the shipped records."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m torchlens.report")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write-docs", nargs="?", const="docs/backends.md", metavar="PATH")
+    mode.add_argument("--check-docs", nargs="?", const="docs/backends.md", metavar="PATH")
+    args = parser.parse_args(argv)
+    path = Path(args.write_docs or args.check_docs)
+    old = path.read_text()
+    new = docs_with_table(old, capability_table(shipped_records()))
+    if args.write_docs:
+        path.write_text(new)
+        print(f"wrote the capability table into {path}")
+        return 0
+    if new != old:
+        print(f"{path}: the capability table differs from the shipped scorecards; run --write-docs", file=sys.stderr)
+        return 1
+    print(f"{path}: the capability table matches the shipped scorecards")
+    return 0
+

@@ -43,6 +43,8 @@ class Selector:
         return Selection(trace, ops, self)
 
     def _other(self, other: Any, op: str) -> "Selector":
+        if getattr(other, "_tl_subspace", False):  # a tl.subspace edits a component, not a set of sites
+            other._composed()
         if not isinstance(other, Selector):
             raise SelectorCompositionError("selector_operand_invalid",
                                            f"cannot compose {self!r} {op} {type(other).__name__}",

@@ -115,7 +115,7 @@ def host_values(trace: "Trace", value: Any) -> Any:
     if isinstance(value, np.ndarray) or np.isscalar(value):
         return np.asarray(value)
     backend = getattr(trace, "_backend", None)
-    if backend is not None and hasattr(backend, "host_copy"):
+    if backend is not None:  # host_copy is a required BackendProtocol member
         try:
             return np.asarray(backend.host_copy(value))
         except Exception:
