@@ -15,6 +15,15 @@ if ! command -v dot >/dev/null 2>&1; then
     echo "setup: graphviz 'dot' not found; install it for rendered drawings (apt-get install graphviz)" >&2
   fi
 fi
+# Headless Chromium renders the notebook HTML in the browser test (it skips without it).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -q && apt-get install -y -q chromium) >/dev/null 2>&1 \
+      || echo "setup: could not install chromium (the notebook browser test will skip)" >&2
+  else
+    echo "setup: chromium not found; install it for the notebook browser test (apt-get install chromium)" >&2
+  fi
+fi
 MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference conformance"
 stamp=.venv/.torchlens-setup
 want=$(cat constraints.txt requirements-dev.txt requirements-vision.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)

@@ -1,6 +1,8 @@
-"""Arrows point down only: core imports no framework and no backend; backends never import
-each other; the backends written on the SDK import nothing from core but `torchlens` and
-`torchlens.backends.sdk`. Checked on the source (every import statement, including ones
+"""Arrows point down only: core imports no framework and no backend; inside core each layer
+imports only the layers below it (records import no selection, intervention, persistence or
+drawing code: they reach those through `torchlens.records.ports`); backends never import
+each other; every backend (torch, jax, reference) imports nothing from core but `torchlens`
+and `torchlens.backends.sdk`. Checked on the source (every import statement, including ones
 inside functions)."""
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def backend_violations(pkg_dir: Path, own: str) -> list[str]:
     return bad
 
 
-#: Backends that import core only through `torchlens.backends.sdk` (issue 14). Torch joins when
-#: the next round moves it; a new backend starts here.
-SDK_ONLY_BACKENDS = ("torchlens_jax", "torchlens_reference")
+#: Backends that import core only through `torchlens.backends.sdk` (issue 14): all of them; a new
+#: backend starts here.
+SDK_ONLY_BACKENDS = ("torchlens_jax", "torchlens_reference", "torchlens_torch")
 SDK_ALLOWED = {"torchlens", "torchlens.backends.sdk"}
 
 
@@ -72,6 +74,82 @@ def sdk_violations(pkg_dir: Path) -> list[str]:
                 if (name == "torchlens" or name.startswith("torchlens.")) and name not in SDK_ALLOWED:
                     bad.append(f"{_rel(path)}:{line} imports {name}")
     return bad
+
+
+#: Core layers and the other core layers each may import (issue 14 §4). A layer is the first
+#: component of a module's path under `torchlens/` (`records/trace.py` -> "records"); layers not
+#: listed (the top: capture, check, io, cli, ...) are unconstrained. `backends/sdk.py` is the
+#: facade backends import, so it may import any layer.
+CORE_LAYER_ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "records": {"errors", "types"},
+    "build": {"errors", "types", "records", "select"},
+    "viz": {"errors", "types", "records", "build", "options"},
+    "intervention": {"errors", "types", "records", "build", "select", "backends", "options", "io"},
+    "backends": {"errors", "types", "plugins"},
+}
+LAYER_EXEMPT = {("backends", "sdk.py")}
+
+
+def _core_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, layer) of every core module `path` imports (`from torchlens import x` counts x)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [(node.lineno, node.module)]
+            if node.module == "torchlens":
+                names = [(node.lineno, f"torchlens.{a.name}") for a in node.names]
+        else:
+            continue
+        out += [(line, name.split(".")[1]) for line, name in names if name.startswith("torchlens.")]
+    return out
+
+
+def layer_violations(src_dir: Path) -> list[str]:
+    bad = []
+    for path in src_dir.rglob("*.py"):
+        parts = path.relative_to(src_dir).parts
+        layer = parts[0].removesuffix(".py")
+        if layer not in CORE_LAYER_ALLOWED or (layer, parts[-1]) in LAYER_EXEMPT:
+            continue
+        for line, target in _core_imports(path):
+            if target != layer and target not in CORE_LAYER_ALLOWED[layer]:
+                bad.append(f"{_rel(path)}:{line} ({layer}) imports torchlens.{target}")
+    return bad
+
+
+def test_core_layers_import_only_layers_below():
+    assert layer_violations(ROOT / "packages" / "torchlens-core" / "src" / "torchlens") == []
+
+
+def test_layer_checker_catches_upward_imports(tmp_path):
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "trace.py").write_text(
+        "from torchlens.errors import X\nfrom torchlens.records.op import Op\n"
+        "def f():\n    from torchlens.intervention.verbs import do\n    from torchlens import io\n")
+    (tmp_path / "backends").mkdir()
+    (tmp_path / "backends" / "sdk.py").write_text("from torchlens.build import build_trace\n")
+    (tmp_path / "capture.py").write_text("from torchlens.viz import draw\n")
+    assert sorted(v.split(" imports ")[1] for v in layer_violations(tmp_path)) == ["torchlens.intervention", "torchlens.io"]
+
+
+def test_every_records_port_is_bound():
+    """Each `port("name")` a record or the builder calls is bound by `torchlens._wiring`."""
+    import torchlens  # noqa: F401  (runs the wiring)
+    from torchlens.records.ports import bound, port
+
+    core = ROOT / "packages" / "torchlens-core" / "src" / "torchlens"
+    called = set()
+    for path in [*(core / "records").glob("*.py"), *(core / "build").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "port"
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                called.add(node.args[0].value)
+    assert called and called <= bound(), sorted(called - bound())
+    for name in called:
+        assert callable(port(name)), name
 
 
 def backend_packages() -> list[tuple[Path, str]]:

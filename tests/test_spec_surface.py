@@ -32,6 +32,7 @@ torchlens.model_input torchlens.model_output torchlens.module torchlens.options 
 torchlens.options.InterventionOptions torchlens.patch_from torchlens.positions torchlens.project_onto
 torchlens.project_out torchlens.replace_with torchlens.report.doctor torchlens.scale torchlens.splice_module torchlens.steer torchlens.subspace
 torchlens.sweep torchlens.trace torchlens.types torchlens.types.AttributeWrite torchlens.types.UnencodableValue
+torchlens.types.Quantity torchlens.types.Bytes torchlens.types.Duration torchlens.types.Flops torchlens.types.Macs
 torchlens.units torchlens.validate
 torchlens.validation.validate_forward_pass torchlens.validation.validate_tlspec torchlens.viz.Drawing torchlens.when
 torchlens.where torchlens.zero_ablate

@@ -1,6 +1,6 @@
 """The typed backend contract (issue 14 §1): capability protocols checked at registration
 against `capabilities()`, refusal codes derived in core, the SDK, and no `getattr` probe for
-an optional backend member in core (except the listed ones still to remove)."""
+an optional backend member in core."""
 
 from __future__ import annotations
 
@@ -148,17 +148,9 @@ def test_refusal_codes_are_derived_from_capabilities():
 #: Members every backend has: looking one of these up is no probe.
 REQUIRED_MEMBERS = set(tl.backends.PROTOCOL_MEMBERS)
 
-#: Probes that remain in files other engineers owned this round (file, member or "<dynamic>").
-#: The list only shrinks: remove an entry when its probe is replaced by a capability protocol.
-REMAINING_PROBES = {
-    ("check.py", "validation_session"),
-    ("check.py", "validate_scope"),
-    ("intervention/params.py", "edit_ops"),
-    ("intervention/fast.py", "attach_module_edits"),
-    ("intervention/live.py", "attach_module_edits"),
-    ("intervention/verbs.py", "grad_enabled"),  # an optional member of the backend's edit ops
-    ("records/trace.py", "<dynamic>"),
-}
+#: Probes still allowed (file, member or "<dynamic>"): none since issue 14 part 2. Core reads
+#: optional members through capability protocols (and the edit ops through `EditOps`).
+REMAINING_PROBES: set[tuple[str, str]] = set()  # empty since issue 14 part 2: keep it so
 
 
 def _probes(root: Path) -> set[tuple[str, str]]:

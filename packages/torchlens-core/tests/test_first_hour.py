@@ -81,7 +81,9 @@ def test_misspelt_func_selector_suggests_the_nearest_function_names():
 
 def test_module_that_never_ran_says_so():
     trace = tl.trace(Scaled(), X)
-    assert trace.modules["unused"].num_calls == 0  # the module is in the tree, with no call
+    assert "unused" in trace.modules.uncalled  # an uncalled module has no record (spec glossary)
+    with pytest.raises(tl.errors.LookupMissError, match="exists but was never called"):
+        trace.modules["unused"]
     msg = _zero_fire_message(tl.module("unused"))
     assert "module 'unused' exists but was never called" in msg
 

@@ -242,7 +242,8 @@ def test_nested_container_inputs_and_outputs():
     mapping = {"w": torch.full((2,), 3.0)}
     mask = torch.tensor([1.0, 0.0])
     t = tl.trace(M(), pair, mapping, input_kwargs={"mask": mask})
-    assert [o.path for o in t.input_ops] == ["pair[0]", "pair[1]", "mapping['w']", "kwargs['mask']"]
+    # core's one input-path convention (issue 14 §3): positions, not the forward's parameter names
+    assert [o.path for o in t.input_ops] == ["args[0][0]", "args[0][1]", "args[1]['w']", "kwargs['mask']"]
     assert [o.path for o in t.output_ops] == ["output['sum']", "output['parts'][0]", "output['parts'][1]"]
     assert isinstance(t.output, dict) and torch.equal(t.output["sum"], torch.full((2,), 7.0))
 

@@ -331,9 +331,21 @@ def test_helper_refuses_a_site_it_does_not_fit_before_anything_changes(name, eng
 
 
 def test_steer_without_dim_still_refuses_an_ambiguous_axis():
-    model, x = _mlp()
+    model, _ = _mlp()
+    x = torch.randn(8, 4)  # relu_1_2 is (8, 8): a length-8 direction fits both axes
     with pytest.raises(AmbiguousAxisError):
-        tl.trace(model, x).fork().do("relu_1_2", tl.steer(torch.ones(5)))
+        tl.trace(model, x).fork().do("relu_1_2", tl.steer(torch.ones(8)))
+
+
+def test_steer_of_a_length_no_axis_has_says_which_lengths_fit():
+    model, x = _mlp()
+    t = tl.trace(model, x)
+    before = t.ops["relu_1_2"].out.clone()
+    with pytest.raises(InterventionError) as ei:
+        t.fork().do("relu_1_2", tl.steer(torch.ones(5)))
+    assert ei.value.code == "steer_direction_invalid"
+    assert 8 in ei.value.fields["expected_lengths"] and "dim=" not in ei.value.remedy
+    assert torch.equal(t.ops["relu_1_2"].out, before)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_STAGING))

@@ -9,7 +9,10 @@ that installs here, random weights, small configs, against five checks each:
 
 A model that fails a check today because of an issue-12 bug is a strict xfail naming the
 section and the op, so the list of what still fails lives here and a fix turns the entry
-into a failure until its mark is removed. Entries marked big (a torch.compile'd submodule:
+into a failure until its mark is removed. Where the promise is a typed refusal
+(`RealEntry.refuses`: autograd.grad in the forward refuses validation before any op runs;
+Mask R-CNN's replay past data-dependent shapes refuses and the rerun engine gives the
+hook's ablation), the check asserts that refusal and its code. Entries marked big (a torch.compile'd submodule:
 an inductor build) run only with TORCHLENS_REAL_MODELS_BIG=1.
 """
 
@@ -34,7 +37,6 @@ _S1_COMPILE = "issue 12 §1: an inductor-compiled submodule is replayed eagerly 
 _S2_STRIDES = "issue 12 §2: a non-contiguous saved view loads back contiguous, so replay on it is not bit-exact"
 _S2_OVERLOAD = "issue 12 §2: a torch.ops overload packet is saved under a mangled pybind name and loads opaque"
 _S3_VIEW = "issue 12 §3: an in-place write through a view is not a new version of its base"
-_S3_GRAD = "issue 12 §3: torch.autograd.grad inside the forward cannot be replayed"
 _S3_COMPILE = "issue 12 §3: torch.compile(dynamic=True) helper in the forward crashes the capture (unhashable 'slice')"
 
 #: (model, check) -> why it fails today. Every entry was seen failing before it was listed.
@@ -45,14 +47,10 @@ XFAIL: dict[tuple[str, str], str] = {
     ("compiled_submodule", "output_exact"): _S3_EAGER + " (gelu_1_3, ~3e-8)",
     ("compiled_submodule", "module_hooks"): _S3_EAGER + " (mid:1)",
     ("compiled_submodule", "ablation"): _S1_COMPILE + " (replayed gelu differs by ~7e-9 from the compiled run)",
-    ("autograd_in_forward", "validate"): _S3_GRAD + " (grad_1_7: refused typed, validation_unavailable)",
-    ("autograd_in_forward", "save_load_validate"): _S3_GRAD + " (grad_1_7 loads opaque)",
-    ("int8_dynamic", "save_load_validate"): _S2_OVERLOAD + " (quantized::linear_dynamic)",
-    ("tv_maskrcnn", "validate"): _S3_VIEW + " (batch_images pads through `pad[:, :h, :w].copy_(img)`; "
-                                            "conv2d_1_13 replays on the zero buffer)",
-    ("tv_maskrcnn", "save_load_validate"): _S2_OVERLOAD + " (torchvision::nms)",
-    ("tv_maskrcnn", "ablation"): "issue 12 §3: replay reuses data-dependent shapes (the detection count changes "
-                                 "under the edit; setitem_2_470:1 raises replay_execution_failed)",
+    ("tv_maskrcnn", "validate"): "issue 12 §1: perturbation_insensitive at clamp_10_461: the pooler's LevelMapper "
+                                 "clamps floor(level) to literal bounds and every box saturates (no rule for a "
+                                 "saturating literal bound yet)",
+    ("tv_maskrcnn", "save_load_validate"): _S2_OVERLOAD + " (torchvision::nms; cause not re-verified in round 3)",
 }
 
 _CASES: dict[str, Case] = {}

@@ -132,10 +132,8 @@ def test_quantized_linear_dynamic_rebinds_by_identity(tmp_path):
     loaded = tl.load(trace.save(tmp_path / "q.tlspec"))
     op = next(o for o in loaded.ops if o.func_name == "linear_dynamic")
     assert op.func is torch.ops.quantized.linear_dynamic  # was an opaque op under a mangled pybind name
-    # the packed weight (a torch.ScriptObject) has no portable encoding: replay says so, typed
-    assert loaded.validate_forward_pass() is False
-    s = loaded.validation_replay_status
-    assert (s.first_failure, s.reason) == (op.label, "missing_saved_args")
+    # the packed qint8 weight (a torch.ScriptObject) travels as its contents (codec_packed): replay works
+    assert loaded.validate_forward_pass() is True
 
 
 @pytest.mark.parametrize("name", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchlens import errors, options
+from torchlens import _wiring  # noqa: F401  (binds the records' ports to the layers above)
 from torchlens.capture import trace
 from torchlens.check import validate
 from torchlens.intervention import (

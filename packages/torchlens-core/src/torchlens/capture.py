@@ -60,6 +60,9 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
             result = proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
     finally:
         _state.active = False
+    from torchlens.build.save import check_saved_matches
+
+    check_saved_matches(result, save, proto.name)
     check_save_budget(result, capture)
     return result
 

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from torchlens.backends.protocol import SupportsValidationScopes, SupportsValidationSession, supports
 from torchlens.errors import InvalidArgumentError
 
 SCOPES = ("forward", "saved", "receptive_field", "intervention", "backward")
@@ -52,20 +53,19 @@ def validate(model: Any, *args: Any, scope: str = "forward", trace_observer: Cal
     proto = select_backend(model, args, kwargs, backend)
     proto.capabilities().refuse_unless("validation_replay", f"the {proto.name} backend cannot replay ops to validate them")
     capture = CaptureOptions(output_device=output_device, save_budget=save_budget)
-    run = getattr(proto, "validation_session", None)
-    session = run(num_threads=num_threads) if run is not None else _null_session()
+    session = proto.validation_session(num_threads=num_threads) if supports(proto, SupportsValidationSession) \
+        else _null_session()
     with session:
         if scope in ("forward", "saved"):
             t, status = _replay_scope(proto, model, args, kwargs, capture, saved=scope == "saved")
         else:
-            check = getattr(proto, "validate_scope", None)
-            if check is None:
+            if not supports(proto, SupportsValidationScopes):
                 from torchlens.errors import BackendUnsupportedError
 
                 raise BackendUnsupportedError("validation_replay_unsupported",
                                               f"the {proto.name} backend has no {scope!r} validation",
                                               remedy="scope='forward' (or the torch backend)", scope=scope)
-            status, t = check(scope, model, args, kwargs, capture if scope == "intervention" else None)
+            status, t = proto.validate_scope(scope, model, args, kwargs, capture if scope == "intervention" else None)
         if t is not None:
             t.validation_replay_status = status
         if trace_observer is not None:

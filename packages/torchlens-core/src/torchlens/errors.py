@@ -464,6 +464,22 @@ _register("ArtifactError", {
     "subspace_spec_mask_tampered": "a saved subspace or element-mask edit's mask does not match its stored sha256",
 })
 
+# --- area: first hour round 3 (issue 27 rest: save= enforced in core, staged edit checks, notebook HTML) ---
+_register("PluginError", {
+    "backend_save_plan_ignored": "a backend kept payloads that save= did not ask for (it ignored save_plan/apply_save); "
+                                 "core refuses its trace",
+})
+
+# --- area: spec fidelity round 3 (issue 13 leftovers: tied parameters, provenance facts, cited codes) ---
+_register("ArtifactError", {
+    "intervention_helper_renamed": "a saved spec names a removed helper spelling (mean_fill is now mean_ablate, "
+                                   "resample_ablate is now scramble_elements); fields['replacement'] names the new one",
+})
+_register("InterventionError", {
+    "rerun_entry_point_unsupported": "the rerun engine cannot rerun a capture rooted at a bound method "
+                                     "(provenance.root_entry_point 'bound_method:...'); replay is unaffected",
+})
+
 
 def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:
     """Register further codes (used by `tl.backends` for the refusal codes)."""

@@ -11,6 +11,8 @@ def __getattr__(name: str) -> Any:
     try:
         import torchlens_mechinterp  # type: ignore[import-not-found]
     except ImportError:
+        from torchlens.backends.registry import install_hint
+
         raise BackendUnsupportedError("runtime_missing", "the mechinterp kit is not installed",
-                                      remedy='pip install "torchlens[mechinterp]"') from None
+                                      remedy=install_hint("mechinterp"), extra="mechinterp") from None
     return getattr(torchlens_mechinterp, name)

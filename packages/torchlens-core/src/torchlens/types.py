@@ -2,7 +2,8 @@
 
 `UnencodableValue` stands in, in a loaded artifact, for a value the save met outside the
 saved format's vocabulary; `CallablePlaceholder` stands in for a saved callable, whose code
-an artifact never stores.
+an artifact never stores. `Quantity` and its `Bytes`, `Duration`, `Flops` and `Macs` are the
+plain numbers of `trace.cost` that print with their unit.
 """
 
 from __future__ import annotations
@@ -79,4 +80,71 @@ class AttributeWrite:
     value: Any = None
 
 
-__all__ = ["UnencodableValue", "CallablePlaceholder", "AttributeWrite", "REPR_LIMIT"]
+class Quantity:
+    """Marker base of the numeric quantity wrappers (spec glossary, "Quantities"): a
+    `Bytes`, `Duration`, `Flops` or `Macs` is the plain number (arithmetic, comparison and
+    saving treat it as its int or float) that prints with its unit. `trace.cost` holds them."""
+
+    __slots__ = ()
+    unit = ""
+
+
+class Bytes(int, Quantity):
+    """A memory size in bytes; prints with a decimal prefix (`1.2 MB`)."""
+
+    unit = "B"
+
+    def __str__(self) -> str:
+        from torchlens.viz.units import fmt_bytes
+
+        return fmt_bytes(int(self))
+
+    def __format__(self, spec: str) -> str:  # f"{q}" prints the unit; f"{q:,}" formats the number
+        return str(self) if not spec else int.__format__(int(self), spec)
+
+
+class Duration(float, Quantity):
+    """A duration in seconds; prints in s, ms or us."""
+
+    unit = "s"
+
+    def __str__(self) -> str:
+        v = float(self)
+        if abs(v) >= 1 or v == 0:
+            return f"{v:.3g} s"
+        if abs(v) >= 1e-3:
+            return f"{v * 1e3:.3g} ms"
+        return f"{v * 1e6:.3g} us"
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else float.__format__(float(self), spec)
+
+
+class Flops(int, Quantity):
+    """A count of floating-point operations; prints with a decimal prefix (`1.2 MFLOPs`)."""
+
+    unit = "FLOPs"
+
+    def __str__(self) -> str:
+        from torchlens.viz.units import fmt_count
+
+        return fmt_count(int(self), "FLOPs")
+
+    __format__ = Bytes.__format__
+
+
+class Macs(int, Quantity):
+    """A count of multiply-accumulates; prints with a decimal prefix (`1.2 MMACs`)."""
+
+    unit = "MACs"
+
+    def __str__(self) -> str:
+        from torchlens.viz.units import fmt_count
+
+        return fmt_count(int(self), "MACs")
+
+    __format__ = Bytes.__format__
+
+
+__all__ = ["UnencodableValue", "CallablePlaceholder", "AttributeWrite", "REPR_LIMIT", "Quantity", "Bytes", "Duration",
+           "Flops", "Macs"]

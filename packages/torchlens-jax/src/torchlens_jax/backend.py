@@ -39,6 +39,8 @@ from torchlens.backends.sdk import (
     apply_save,
     build_trace,
     check_requested_capabilities,
+    keyword_path,
+    positional_path,
     refusal_codes_for,
     save_plan,
 )
@@ -75,16 +77,15 @@ def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[tuple[str, Any]], lis
 
 
 def _path_text(path: tuple, n_arrays: int) -> str:
-    """`x` for a lone positional array, else `args[i]...` / `kwargs['k']...`."""
+    """Core's input-path convention (`torchlens.backends.sdk.input_paths`): `args[i]...` /
+    `kwargs['k']...`, the nested part in jax's key notation (`[0]`, `['k']`, `.f`)."""
     first = path[0].idx if hasattr(path[0], "idx") else 0
     rest = jax.tree_util.keystr(tuple(path[2:]))
     if first == 0:
         idx = path[1].idx if hasattr(path[1], "idx") else path[1]
-        if n_arrays == 1 and idx == 0 and not rest:
-            return "x"
-        return f"args[{idx}]{rest}"
+        return positional_path(idx) + rest
     key = path[1].key if hasattr(path[1], "key") else path[1]
-    return f"kwargs[{key!r}]{rest}"
+    return keyword_path(key) + rest
 
 
 def _output_paths(out: Any) -> list[tuple[str, Any]]:

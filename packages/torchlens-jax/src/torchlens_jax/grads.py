@@ -11,8 +11,10 @@ the model downstream of the op. Each saved op's `grads` gets one entry per outpu
 (`None` for a slot of an integer, boolean or key dtype); an op the loss does not depend on
 gets zeros.
 
-The state lives in a weak table keyed by the trace (never on the trace's records), so a
-fork or a loaded trace has none and `backward` refuses with `backward_not_requested`.
+The state lives in the trace's backend-state slot (`trace.backend_state`, never on its
+records) and names the trace it was made for: a fork shares the slot but is not that trace,
+and a loaded trace has none, so for both `backward` refuses with `backward_not_requested`
+(a fork's edited values are not what the kept sources would recompute).
 """
 
 from __future__ import annotations
@@ -36,15 +38,13 @@ class GradState:
     out_tree: Any
     save_grads: bool
     sources: dict[int, tuple[Any, ...]]
-
-
-_STATE: "weakref.WeakKeyDictionary[Any, GradState]" = weakref.WeakKeyDictionary()
+    owner: "weakref.ref[Any]"  # the trace this state was captured for
 
 
 def keep_for_backward(trace: Any, out_tree: Any, save_grads: bool) -> None:
     """Called by the capture, before the save plan releases payloads."""
     sources = {op.event_id: tuple(op.outs) for op in trace.ops if op.kind in _SOURCES}
-    _STATE[trace] = GradState(out_tree, save_grads, sources)
+    trace.backend_state = GradState(out_tree, save_grads, sources, weakref.ref(trace))
 
 
 def _inexact(dtype_name: str) -> bool:
@@ -103,8 +103,8 @@ def backward(trace: Any, loss: Any = None, **kwargs: Any) -> None:
         raise InvalidArgumentError("invalid_argument", f"the jax backend's backward takes no {', '.join(sorted(kwargs))}=",
                                    remedy="trace.backward(loss) with loss a callable of the model output",
                                    options=sorted(kwargs))
-    state = _STATE.get(trace)
-    if state is None:
+    state = trace.backend_state
+    if not isinstance(state, GradState) or state.owner() is not trace:
         raise InvalidArgumentError("backward_not_requested", "this trace was not captured for a backward pass "
                                    "(or it is a fork or a loaded trace, which keep no backward state)",
                                    remedy="capture with capture=CaptureOptions(backward_ready=True, save_grads=True)")

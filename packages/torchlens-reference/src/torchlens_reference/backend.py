@@ -25,6 +25,7 @@ from torchlens.backends.sdk import (
     ParamInfo,
     Provenance,
     TraceCaptureError,
+    positional_path,
     ValidationStatus,
     apply_save,
     build_trace,
@@ -228,7 +229,7 @@ class ReferenceBackend:
             mod, _, name = addr.rpartition(".")
             info.params.append(ParamInfo(addr, mod or "self", name, p.value.shape, str(p.value.dtype), p.trainable, p.value))
         for i, a in enumerate(args):
-            rec.source("input", a, f"args[{i}]" if len(args) > 1 else "x")
+            rec.source("input", a, positional_path(i))  # core's one convention (sdk.input_paths)
         start = time.perf_counter()
         prov = Provenance("reference", backend_version="0.1.0", framework_version=np.__version__,
                           model_class=type(model).__name__, start_time=time.time())

@@ -24,18 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchlens.backends.codes import CAPABILITY_REFUSALS
-from torchlens.backends.protocol import BackendCapabilities, ValidationStatus
-from torchlens.build.builder import build_trace
-from torchlens.build.save import apply_save, save_plan
-from torchlens.errors import (
-    BackendUnsupportedError,
-    InvalidArgumentError,
-    TorchLensError,
-    TraceCaptureError,
+from torchlens.backends.sdk import (
+    CAPABILITY_REFUSALS, BackendCapabilities, ValidationStatus, build_trace, apply_save, save_plan,
+    BackendUnsupportedError, InvalidArgumentError, TorchLensError, TraceCaptureError, CaptureOptions, TraceOptions,
+    Provenance, input_paths,
 )
-from torchlens.options import CaptureOptions, TraceOptions
-from torchlens.records.trace import Provenance
 
 from torchlens_torch import __version__
 from torchlens_torch.concurrency import ThreadWatch, exclusive
@@ -185,7 +178,7 @@ class TorchBackend:
 
     def backward(self, trace: Any, loss: Any, **kwargs: Any) -> Any:
         """Run `loss.backward()` and fill `op.grads` (one entry per output slot) for saved ops."""
-        extras: CaptureExtras | None = getattr(trace, "_torch_extras", None)
+        extras: CaptureExtras | None = trace.backend_state
         if extras is not None and extras.inference_only:
             raise InvalidArgumentError(
                 "backward_inference_only",
@@ -258,22 +251,6 @@ def _check_inputs(args: tuple, kwargs: dict) -> None:
         visit(a, f"kwargs[{k!r}]", 0)
 
 
-def _input_paths(fn: Any, args: tuple, kwargs: dict) -> tuple[list[str], dict[str, str]]:
-    """Positional arguments named after the forward's parameters where it names them."""
-    names: list[str] = []
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    for i in range(len(args)):
-        p = params[i] if i < len(params) else None
-        if p is not None and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            names.append(p.name)
-        else:
-            names.append(f"args[{i}]")
-    return names, {k: f"kwargs[{k!r}]" for k in kwargs}
-
-
 def _is_device_error(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, (AssertionError, RuntimeError)) and any(frag in text for frag in _DEVICE_ERRORS)
@@ -334,8 +311,7 @@ class _Capture:
         else:
             fn = model
             entry = f"bound_method:{type(root).__qualname__}.{model.__name__}"
-        sig_target = root.forward if fn is root else fn
-        pos_names, kw_names = _input_paths(sig_target, self.args, self.kwargs)
+        pos_names, kw_names = input_paths(self.args, self.kwargs)  # core's one convention: args[i], kwargs['k']
 
         desc = describe_model(root)
         scripted = [addr for addr, m in desc.modules if isinstance(m, torch.jit.ScriptModule)]
@@ -357,8 +333,10 @@ class _Capture:
         rec.add_inputs(leaves)  # an input over save_budget refuses here, before anything changes
 
         with exclusive("capture"):  # one capture at a time per process (global state below)
+            threads_start = threading.active_count()
             (output, failure, writes, forward_duration, rng_at_forward, params_restored, unseen_param_writes,
              new_threads) = self._forward(rec, desc, fn, grad_ctx)
+            threads_end = threading.active_count()
 
         t_end = time.perf_counter()
         if inference_only and opts.inference_only is None and failure is None and any(
@@ -371,7 +349,8 @@ class _Capture:
             extra={"rng_state": rng_at_forward, "seed": opts.seed, "forward_duration": forward_duration,
                    "outcome": "FAILED" if failure is not None else "COMPLETE",
                    "composites_expanded": rec.composite_seq, "nonfinite_events": list(rec.nonfinite_ops),
-                   "owner_thread_id": rec.thread, "params_restored": params_restored},
+                   "owner_thread_id": rec.thread, "params_restored": params_restored,
+                   "thread_count_start": threads_start, "thread_count_end": threads_end, "model_object_id": id(root)},
         )
         _flag_hygiene(provenance, rec, new_threads, unseen_param_writes)
         _note_compiled(provenance, desc)
@@ -393,7 +372,7 @@ class _Capture:
                 rec_m._attribute_writes = writes.get(id(m), {})
         if self.plan.kind == "select":
             apply_save(trace, self.plan)
-        trace._torch_extras = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
+        trace.backend_state = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
         if rec.nonfinite_ops and opts.on_nonfinite == "warn":
             _warn_nonfinite(trace, rec.nonfinite_ops)
         provenance.extra["build_duration"] = time.perf_counter() - t_end

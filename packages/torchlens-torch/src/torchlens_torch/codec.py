@@ -13,6 +13,9 @@ view with those strides and that storage offset into a fresh buffer (gaps zero).
 is bounded (`STRIDED_SLACK`): a view that would need more is stored contiguous, and a file
 asking for more refuses `payload_meta_invalid`. An offset beyond the bound is reduced to its
 alignment class (the offset modulo 64 bytes), which is what kernels can observe.
+
+A packed quantized linear weight (the ScriptObject `quantize_dynamic` passes to
+`quantized::linear_dynamic`) is encoded by its content in `codec_packed` (meta `packed`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchlens.errors import ArtifactError
-from torchlens.io.codec import EncodedPayload
+from torchlens.backends.sdk import ArtifactError, EncodedPayload
+from torchlens_torch import codec_packed
 
 # torch dtype -> (neutral tag, numpy dtype carrying the bytes)
 _TO_TAG: dict[torch.dtype, tuple[str, str]] = {
@@ -49,10 +52,15 @@ class TorchCodec:
     name = "torch"
 
     def can_encode(self, value: Any) -> bool:
+        if isinstance(value, torch.ScriptObject):
+            return codec_packed.is_packed_linear(value)
         return (isinstance(value, torch.Tensor) and value.layout == torch.strided and value.dtype in _TO_TAG
                 and not value.is_quantized and value.device.type != "meta")
 
     def encode(self, value: Any) -> EncodedPayload:
+        if isinstance(value, torch.ScriptObject):
+            arr, shape, meta = codec_packed.encode_packed(value)
+            return EncodedPayload(arr, "uint8", shape, meta)
         tag, np_dtype = _TO_TAG[value.dtype]
         t = value.detach()
         if t.is_conj():
@@ -120,6 +128,8 @@ class TorchCodec:
     def decode(self, payload: EncodedPayload) -> Any:
         """The tensor `payload` holds. Its metadata is checked first (known keys, a valid
         permutation, flags "1", a parsable device); anything else refuses `payload_meta_invalid`."""
+        if isinstance(payload.meta, dict) and "packed" in payload.meta:
+            return codec_packed.decode_packed(payload.dtype, tuple(payload.shape), payload.array, payload.meta)
         dtype = _FROM_TAG.get(payload.dtype)
         if dtype is None:
             raise ArtifactError("payload_codec_unavailable", f"this torch has no dtype {payload.dtype!r}",

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from torchlens.errors import ReentrantTraceError
+from torchlens.backends.sdk import ReentrantTraceError
 
 #: Held by the running capture or validation replay (re-entrant: a capture's own thread may
 #: validate or capture again inside it).

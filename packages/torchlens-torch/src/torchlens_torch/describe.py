@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchlens.build.events import BufferInfo, ModelInfo, ModuleInfo, ParamInfo
+from torchlens.backends.sdk import BufferInfo, ModelInfo, ModuleInfo, ParamInfo
 
 from torchlens_torch.values import dtype_name
 
@@ -60,11 +60,14 @@ def describe_model(root: nn.Module) -> ModelDescription:
 
     params: list[ParamInfo] = []
     param_address: dict[int, str] = {}
+    paths: dict[int, list[str]] = {}  # every module path of each parameter (a tie has several)
+    for name, p in root.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(name)
     for name, p in root.named_parameters(remove_duplicate=True):
         owner, _, pname = name.rpartition(".")
         param_address[id(p)] = name
         params.append(ParamInfo(name, owner or "self", pname, tuple(p.shape), dtype_name(p.dtype), bool(p.requires_grad),
-                                p, str(p.device)))
+                                p, str(p.device), tuple(a for a in paths[id(p)] if a != name)))
 
     buffers: list[BufferInfo] = []
     buffer_address: dict[int, str] = {}

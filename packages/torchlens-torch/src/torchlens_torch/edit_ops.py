@@ -139,8 +139,7 @@ class _Handles:
 
 def attach_module_edits(root: torch.nn.Module, rules: list, ops: Any, fired: dict) -> _Handles:
     """Forward hooks that edit each targeted module's output leaves as it returns."""
-    from torchlens.errors import LookupMissError
-    from torchlens.intervention.edits import HookContext, fire
+    from torchlens.backends.sdk import LookupMissError, HookContext, fire
 
     handles = []
     calls: dict[int, int] = {}

@@ -34,8 +34,7 @@ import torch
 from torch.nn.modules import module as _nn_module
 from torch.overrides import TorchFunctionMode
 
-from torchlens.build.events import ArgRef, EventLog, ModuleEnter, ModuleExit, OpEvent
-from torchlens.errors import SaveBudgetExceededError
+from torchlens.backends.sdk import ArgRef, EventLog, ModuleEnter, ModuleExit, OpEvent, SaveBudgetExceededError
 
 from torchlens_torch.composites import composite_table
 from torchlens_torch.costs import COST_FUNCS
@@ -458,7 +457,7 @@ class Recorder:
             return
         self.nonfinite_ops.append(eid)  # on_nonfinite="warn": the capture warns once, after the forward
         if self.check_nonfinite == "raise":
-            from torchlens.errors import TraceCaptureError
+            from torchlens.backends.sdk import TraceCaptureError
 
             raise TraceCaptureError("nonfinite_value", f"{name} produced NaN or Inf under on_nonfinite='raise'",
                                     remedy="inspect exc.partial_trace, or capture with on_nonfinite='track'",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torchlens
-from torchlens.backends.protocol import BackendSpec, FrameworkRequirement
+from torchlens.backends.sdk import BackendSpec, FrameworkRequirement
 
 FRAMEWORK = FrameworkRequirement(
     distributions=("torch",),
@@ -25,10 +25,10 @@ def _protocol() -> Any:
     try:
         from torchlens_torch.backend import get_backend
     except ImportError as exc:  # torch itself is missing or broken
-        from torchlens.errors import BackendUnsupportedError
+        from torchlens.backends.sdk import install_hint, BackendUnsupportedError
 
         raise BackendUnsupportedError("runtime_missing", f"the torch backend cannot import torch: {exc}",
-                                      remedy='pip install "torchlens[torch]"', backend="torch", extra="torch") from exc
+                                      remedy=install_hint("torch"), backend="torch", extra="torch") from exc
     return get_backend()
 
 

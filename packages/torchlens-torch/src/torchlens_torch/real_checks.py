@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import torchlens as tl
+from torchlens.backends.sdk import TorchLensError
 from torchlens_torch.real_zoo import ENTRIES, RealEntry
 from torchlens_torch.testing import mha_fastpath_disabled, tensor_leaves
 
@@ -95,9 +96,43 @@ def _status(trace: Any) -> str:
     return f"{getattr(s, 'reason', None)} at {getattr(s, 'first_failure', None)}: {getattr(s, 'detail', '')}"[:300]
 
 
+class _CountTorchCalls(torch.overrides.TorchFunctionMode):
+    """Counts every torch function call made while it is active (independent of TorchLens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def refuses_typed(code: str, call: Any) -> Check:
+    """`call()` must raise a TorchLensError with `code` before any torch op ran (the model's
+    promise for this check is a typed refusal, not a verdict)."""
+    counter = _CountTorchCalls()
+    try:
+        with counter:
+            call()
+    except TorchLensError as exc:
+        if exc.code != code:
+            return Check(False, f"refused with {exc.code!r}, expected {code!r}: {exc}"[:300])
+        if counter.calls:
+            return Check(False, f"refused {code} only after running {len(counter.calls)} torch ops "
+                                f"({counter.calls[:3]})")
+        return Check(True, f"refused {code} before any op ran")
+    except Exception as exc:
+        return Check(False, f"raised {type(exc).__name__} (untyped), expected {code!r}: {exc}"[:300])
+    return Check(False, f"did not refuse; expected {code!r}")
+
+
 def validates(case: Case) -> Check:
     if case.trace is None:
         return Check(False, f"trace failed: {case.error}")
+    code = case.entry.refusal("validate")
+    if code is not None:
+        return refuses_typed(code, case.trace.validate_forward_pass)
     try:
         ok = case.trace.validate_forward_pass()
     except Exception as exc:
@@ -155,6 +190,9 @@ def save_load_validates(case: Case) -> Check:
         try:
             case.trace.save(path)
             loaded = tl.load(path)
+            code = case.entry.refusal("save_load_validate")
+            if code is not None:
+                return refuses_typed(code, loaded.validate_forward_pass)
             ok = loaded.validate_forward_pass()
         except Exception as exc:
             return Check(False, f"raised {type(exc).__name__}: {exc}"[:300])
@@ -166,6 +204,8 @@ def _zero(out: Any) -> Any:
         return torch.zeros_like(out)
     if isinstance(out, tuple):
         return tuple(_zero(o) for o in out)
+    if isinstance(out, dict):  # an OrderedDict of feature maps (torchvision's FPN)
+        return type(out)((k, _zero(v)) for k, v in out.items())
     return out
 
 
@@ -181,10 +221,23 @@ def ablation_matches_hook(case: Case) -> Check:
         want = tensor_leaves(_plain(case))
     finally:
         handle.remove()
+    code = case.entry.refusal("ablation")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fork = case.trace.fork().do(tl.module(site), tl.zero_ablate())
+            if code is not None:  # replay must refuse typed; the rerun engine must give the hook's answer
+                try:
+                    case.trace.fork().do(tl.module(site), tl.zero_ablate())
+                    return Check(False, f"replay did not refuse; expected {code!r}")
+                except TorchLensError as exc:
+                    if exc.code != code:
+                        return Check(False, f"replay refused with {exc.code!r}, expected {code!r}: {exc}"[:300])
+                torch.manual_seed(0)
+                with mha_fastpath_disabled():
+                    fork = case.trace.fork().do(tl.module(site), tl.zero_ablate(), model=case.model,
+                                                inputs=case.args, input_kwargs=case.kwargs or None)
+            else:
+                fork = case.trace.fork().do(tl.module(site), tl.zero_ablate())
     except Exception as exc:
         return Check(False, f"raised {type(exc).__name__}: {exc}"[:300])
     got = [o.out for o in fork.output_ops]
@@ -207,5 +260,5 @@ CHECKS = {
     "ablation": ablation_matches_hook,
 }
 
-__all__ = ["Check", "Case", "capture", "CHECKS", "output_exact", "validates", "module_outputs_match_hooks",
+__all__ = ["Check", "Case", "capture", "CHECKS", "refuses_typed", "output_exact", "validates", "module_outputs_match_hooks",
            "save_load_validates", "ablation_matches_hook"]

@@ -35,6 +35,15 @@ class RealEntry:
     requires: tuple[str, ...] = ()
     big: bool = False
     note: str = ""
+    #: (check, error code) pairs: the promise for that check is a typed refusal with this code.
+    #: For validate checks it is raised before any op ran (autograd.grad in the forward cannot
+    #: be validated by replay); for "ablation" the replay refuses and the rerun engine
+    #: (`do(..., model=, inputs=)`) must give the forward-hook ablation (data-dependent shapes)
+    refuses: tuple[tuple[str, str], ...] = ()
+
+    def refusal(self, check: str) -> str | None:
+        """The code `check` must refuse with on this model, or None (the check must pass)."""
+        return dict(self.refuses).get(check)
 
     def available(self) -> bool:
         for r in self.requires:
@@ -395,14 +404,16 @@ ENTRIES: dict[str, RealEntry] = {e.name: e for e in [
               _TV),
     RealEntry("tv_inception_v3", _tv("inception_v3", (1, 3, 75, 75), aux_logits=False, init_weights=True),
               "Mixed_6a", _TV),
-    RealEntry("tv_maskrcnn", _maskrcnn, "backbone.fpn", _TV),
+    RealEntry("tv_maskrcnn", _maskrcnn, "backbone.fpn", _TV,
+              refuses=(("ablation", "replay_execution_failed"),)),
     RealEntry("timm_mobilevit", _mobilevit, "stages.2", _TV + ("timm",)),
     RealEntry("train_dropout", lambda: (TrainDropout().train(), (torch.randn(2, 5, 16),), {}), "out"),
     RealEntry("dict_kwargs", lambda: (DictKwargs(), ({"x": torch.randn(2, 8), "y": torch.randn(2, 8)},),
                                       {"scale": torch.tensor(0.5), "bias": torch.randn(8)}), "a"),
     RealEntry("dataclass_output", lambda: (DataclassOut(), (torch.randn(2, 8),), {}), "enc"),
     RealEntry("compiled_submodule", lambda: (CompiledSub(), (torch.randn(2, 8),), {}), "pre", big=True),
-    RealEntry("autograd_in_forward", lambda: (AutogradInForward(), (torch.randn(3, 4),), {}), "head"),
+    RealEntry("autograd_in_forward", lambda: (AutogradInForward(), (torch.randn(3, 4),), {}), "head",
+              refuses=(("validate", "validation_unavailable"), ("save_load_validate", "opaque_op_not_replayable"))),
     RealEntry("inplace_view_write", lambda: (InplaceViewWrite(), (torch.randn(2, 8),), {}), "fc"),
     RealEntry("complex", lambda: (Complex(), (torch.randn(2, 16),), {}), "fc"),
     RealEntry("bf16", _bf16, "fc2"),

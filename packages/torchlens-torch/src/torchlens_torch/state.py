@@ -133,7 +133,7 @@ class ModelStateSnapshot:
         """id(module) -> {attribute: AttributeWrite} for what the forward wrote (read before
         `restore`): added, rebound or removed attributes and builtin containers or tensors
         changed in place. Custom objects are tracked by identity only."""
-        from torchlens.types import AttributeWrite
+        from torchlens.backends.sdk import AttributeWrite
 
         out: dict[int, dict[str, Any]] = {}
         for m, attrs, containers, _params, _buffers, _submods in self.entries:

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from torchlens.backends.protocol import ValidationStatus
-from torchlens.build.events import ArgRef, fill_template
+from torchlens.backends.sdk import ValidationStatus, ArgRef, fill_template
 from torchlens_torch import validate_rules as R
 
 #: callables whose output does not depend on the values of the listed argument positions
@@ -187,7 +186,7 @@ def _tensor_refs(template: Any) -> list[ArgRef]:
 
 def _unencodable(template: Any) -> Any:
     """The first `tl.types.UnencodableValue` stand-in in a loaded argument template, or None."""
-    from torchlens.types import UnencodableValue
+    from torchlens.backends.sdk import UnencodableValue
 
     if isinstance(template, UnencodableValue):
         return template
@@ -258,7 +257,7 @@ class _Checker:
             p = rp.ev2op.get(eid)
             if p is None or not p.saved:
                 return self.fail(op, "parent_payload_missing", f"the saved value of a parent of {op.label} is missing")
-        from torchlens.intervention.params import changed_params, param_addresses
+        from torchlens.backends.sdk import changed_params, param_addresses
 
         moved = changed_params(trace, [a for a in param_addresses(op) if a in trace._params])
         if moved:  # the cause, not a bare replay_mismatch: the weights changed after capture
@@ -396,11 +395,10 @@ class _Checker:
 
 def validate_trace(trace: Any, **_: Any) -> ValidationStatus:
     """Check every op of `trace` (see the module docstring); refuses opaque ops first."""
-    from torchlens.io.opaque import refuse_opaque
-    from torchlens.viz.progress import progress
+    from torchlens.backends.sdk import refuse_opaque, progress
 
     refuse_opaque(trace, trace._ops.values())  # an op loaded as opaque refuses before any op runs
-    from torchlens.intervention.preconditions import refuse_unreplayable
+    from torchlens.backends.sdk import refuse_unreplayable
 
     refuse_unreplayable(trace, trace._ops.values(), validating=True)  # e.g. torch.autograd.grad in the forward
     checker = _Checker(trace)

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from torchlens.backends.protocol import ValidationStatus
+from torchlens.backends.sdk import ValidationStatus
 
 #: at most this many module sites are edited by the intervention scope.
 MAX_SITES = 8
@@ -187,7 +187,7 @@ def intervention(model: Any, args: tuple, kwargs: dict, capture: Any = None) -> 
     import warnings
 
     import torchlens as tl
-    from torchlens.errors import TorchLensError
+    from torchlens.backends.sdk import TorchLensError
 
     decisions: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
@@ -239,7 +239,7 @@ def _carried(model: Any) -> list[str]:
 
 
 def _backward(model: Any, loss: torch.Tensor, run: Any) -> Any:
-    from torchlens.errors import ValidationError
+    from torchlens.backends.sdk import ValidationError
 
     try:
         return run()

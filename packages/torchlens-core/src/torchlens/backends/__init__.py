@@ -12,6 +12,8 @@ from torchlens.backends.codes import CAPABILITY_REFUSALS, REFUSAL_CODES, VALIDAT
 from torchlens.backends.protocol import (
     CAPABILITY_PROTOCOLS,
     PROTOCOL_MEMBERS,
+    DifferentiableEditOps,
+    EditOps,
     BackendCapabilities,
     BackendProtocol,
     BackendSpec,
@@ -23,8 +25,10 @@ from torchlens.backends.protocol import (
     SupportsOpRebinding,
     SupportsPersistence,
     SupportsValidation,
+    SupportsValidationScopes,
     SupportsValidationSession,
     ValidationStatus,
+    edit_ops_of,
     missing_members,
     refusal_codes_for,
     supports,
@@ -44,7 +48,8 @@ __all__ = [
     "KNOWN_BACKEND_EXTRAS", "get_protocol", "get_spec", "select_backend", "specs", "missing_members",
     "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward", "SupportsValidation",
     "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues", "SupportsCallableTable",
-    "SupportsOpRebinding", "supports", "refusal_codes_for",
+    "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps", "edit_ops_of", "supports",
+    "refusal_codes_for",
 ]
 
 

@@ -217,6 +217,48 @@ class SupportsValidationSession(Protocol):
 
 
 @runtime_checkable
+class SupportsValidationScopes(Protocol):
+    """Optional, needs `validation_replay=True`: `tl.validate(scope=...)` for the scopes past
+    "forward" and "saved" ("receptive_field", "intervention", "backward"). Returns
+    (ValidationStatus, the validation trace or None)."""
+
+    def validate_scope(self, scope: str, model: Any, args: tuple, kwargs: dict, capture: Any = None) -> Any: ...
+
+
+@runtime_checkable
+class EditOps(Protocol):
+    """What `edit_ops()` of a backend declaring `interventions=True` returns: the math edits
+    and replay run with, on the backend's own values (`tl.backends.sdk.NumpyEditOps` is the
+    numpy implementation). Checked at registration."""
+
+    def zeros_like(self, x: Any) -> Any: ...
+    def clone(self, x: Any) -> Any: ...
+    def clip(self, x: Any, lo: Any, hi: Any) -> Any: ...
+    def mean(self, x: Any, dim: Any, keepdim: bool) -> Any: ...
+    def norm(self, x: Any, dim: Any, keepdim: bool, p: float = 2.0) -> Any: ...
+    def randn_like(self, x: Any, seed: int) -> Any: ...
+    def permute_flat(self, x: Any, seed: int) -> Any: ...
+    def moveaxis(self, x: Any, src: int, dst: int) -> Any: ...
+    def where(self, mask: Any, a: Any, b: Any) -> Any: ...
+    def asarray(self, v: Any, like: Any) -> Any: ...
+    def param_stamp(self, p: Any) -> Any: ...
+    def replay_args(self, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]: ...
+    def rng_state(self, state: Any) -> Any: ...
+
+
+EDIT_OPS_MEMBERS: tuple[str, ...] = ("zeros_like", "clone", "clip", "mean", "norm", "randn_like", "permute_flat",
+                                     "moveaxis", "where", "asarray", "param_stamp", "replay_args", "rng_state")
+
+
+@runtime_checkable
+class DifferentiableEditOps(EditOps, Protocol):
+    """The edit ops of a backend declaring both `interventions` and `backward_capture`:
+    `grad_enabled()` is the context differentiable replay runs in."""
+
+    def grad_enabled(self) -> Any: ...
+
+
+@runtime_checkable
 class SupportsPersistence(Protocol):
     """Optional: the codec that turns this backend's payloads into bytes and back
     (`torchlens.io.codec.PayloadCodec`). Without it, payloads must be numpy arrays and core's
@@ -264,6 +306,7 @@ CAPABILITY_PROTOCOLS: tuple[CapabilityProtocol, ...] = (
     CapabilityProtocol(SupportsBackward, ("backward",), flag="backward_capture"),
     CapabilityProtocol(SupportsValidation, ("validate",), flag="validation_replay"),
     CapabilityProtocol(SupportsValidationSession, ("validation_session",), requires="validation_replay"),
+    CapabilityProtocol(SupportsValidationScopes, ("validate_scope",), requires="validation_replay"),
     CapabilityProtocol(SupportsPersistence, ("payload_codec",)),
     CapabilityProtocol(SupportsHostValues, ("from_host",)),
     CapabilityProtocol(SupportsCallableTable, ("resolve_callable",)),
@@ -322,6 +365,8 @@ def check_capability_protocols(proto: Any) -> None:
                 f"backend {name!r} implements {cp.protocol.__name__} but declares {cp.requires}=False",
                 remedy=f"declare {cp.requires}=True, or remove {', '.join(present)}", backend=name,
                 protocol=cp.protocol.__name__, members=present)
+    if flags["interventions"]:
+        _check_edit_ops(proto, name, differentiable=flags["backward_capture"])
     declared_codes = set(proto.refusal_codes())
     for flag, value in caps.as_dict().items():
         code = CAPABILITY_REFUSALS[flag]
@@ -331,6 +376,30 @@ def check_capability_protocols(proto: Any) -> None:
                 f"backend {name!r} declares {flag}={value} but its refusal_codes() "
                 f"{'lists' if value else 'omits'} {code!r}",
                 remedy="derive refusal_codes() with tl.backends.sdk.refusal_codes_for(self)", backend=name, flag=flag)
+
+
+def _check_edit_ops(proto: Any, name: str, differentiable: bool) -> None:
+    """The object `edit_ops()` returns has every `EditOps` member (and `grad_enabled` when
+    the backend also declares `backward_capture`)."""
+    ops = proto.edit_ops()
+    wanted = EDIT_OPS_MEMBERS + (("grad_enabled",) if differentiable else ())
+    missing = [m for m in wanted if not _has(ops, m)]
+    if missing:
+        raise BackendUnsupportedError(
+            "backend_capability_members_missing",
+            f"backend {name!r}: edit_ops() returns {type(ops).__name__}, which lacks {', '.join(missing)}",
+            remedy="return an object implementing tl.backends." + ("DifferentiableEditOps" if differentiable else "EditOps")
+                   + " (subclass tl.backends.sdk.NumpyEditOps for numpy values)",
+            backend=name, protocol="DifferentiableEditOps" if differentiable else "EditOps", missing=missing)
+
+
+def edit_ops_of(proto: Any, what: str = "") -> Any:
+    """The backend's `EditOps`, or the typed `interventions_unsupported` refusal."""
+    if proto is None:
+        raise BackendUnsupportedError("backend_unknown", f"{what or 'this trace'} has no backend to run edits with",
+                 remedy="capture the trace again with an installed backend")
+    proto.capabilities().refuse_unless("interventions", what or f"the {proto.name} backend does not support interventions")
+    return proto.edit_ops()
 
 
 #: Refusal codes every backend may raise whatever it declares.
@@ -358,4 +427,5 @@ __all__ = ["BackendCapabilities", "FrameworkRequirement", "BackendProtocol", "Ba
            "PROTOCOL_MEMBERS", "REFUSAL_CODES", "VALIDATION_REASONS", "missing_members", "CapabilityProtocol",
            "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward", "SupportsValidation",
            "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues", "SupportsCallableTable",
-           "SupportsOpRebinding", "supports", "check_capability_protocols", "refusal_codes_for", "BASE_REFUSALS"]
+           "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps", "EDIT_OPS_MEMBERS",
+           "edit_ops_of", "supports", "check_capability_protocols", "refusal_codes_for", "BASE_REFUSALS"]

@@ -9,12 +9,17 @@ change. The dependency test enforces it for the backends in this repository.
   `SupportsBackward`, `SupportsValidation`, `SupportsPersistence`, ...), `refusal_codes_for`.
 - Capture: the event types (`EventLog`, `OpEvent`, `ModuleEnter`, `ModuleExit`, `ArgRef`,
   `ModelInfo`, `ModuleInfo`, `ParamInfo`, `BufferInfo`, `fill_template`), the builder entry
-  `build_trace`, save plans (`save_plan`, `apply_save`), `Provenance`, and the pre-capture
+  `build_trace`, the model-input path convention (`input_paths`, `item_path`,
+  `field_path`: `args[i]`, `kwargs['k']`, `[i]`, `['k']`, `.f`), save plans (`save_plan`, `apply_save`), `Provenance`, and the pre-capture
   refusals `check_requested_capabilities`.
 - Verbs: `ValidationStatus`, `refuse_opaque` (loaded ops that must not replay),
   `param_values`, the payload codec types (`PayloadCodec`, `EncodedPayload`, `NumpyCodec`),
   `CallablePlaceholder` / `UnencodableValue` (what a loaded file holds instead of code),
-  `NumpyEditOps` and `HookContext` for interventions.
+  `NumpyEditOps`, `HookContext` and `fire` for interventions (the `EditOps` /
+  `DifferentiableEditOps` protocols `edit_ops()` returns), `changed_params` /
+  `param_addresses` (replay's parameter check), `refuse_unreplayable`, `progress`,
+  `CaptureOptions` / `TraceOptions` (what `capture` receives), `AttributeWrite`,
+  `install_hint`.
 - Errors: the typed error classes a backend raises.
 """
 
@@ -37,12 +42,16 @@ from torchlens.backends.protocol import (
     SupportsInterventions,
     SupportsOpRebinding,
     SupportsPersistence,
+    DifferentiableEditOps,
+    EditOps,
     SupportsValidation,
+    SupportsValidationScopes,
     SupportsValidationSession,
     ValidationStatus,
     refusal_codes_for,
     supports,
 )
+from torchlens.backends.registry import install_hint
 from torchlens.build.builder import build_trace
 from torchlens.build.events import (
     ArgRef,
@@ -56,18 +65,24 @@ from torchlens.build.events import (
     ParamInfo,
     fill_template,
 )
+from torchlens.build.inputs import field_path, input_paths, item_path, keyword_path, positional_path
 from torchlens.build.save import apply_save, save_plan
 from torchlens.capture import check_requested_capabilities
 from torchlens.errors import (
     ArtifactError,
     BackendUnsupportedError,
     InvalidArgumentError,
+    LookupMissError,
+    ReentrantTraceError,
+    SaveBudgetExceededError,
     TorchLensError,
     TraceCaptureError,
+    ValidationError,
 )
+from torchlens.options import CaptureOptions, TraceOptions
 from torchlens.plugins.hookspecs import hookimpl
 from torchlens.records.trace import Provenance
-from torchlens.types import CallablePlaceholder, UnencodableValue
+from torchlens.types import AttributeWrite, CallablePlaceholder, UnencodableValue
 
 #: Names served lazily (their modules are heavier or import more of core): name -> "module:attr".
 _LAZY = {
@@ -77,6 +92,11 @@ _LAZY = {
     "refuse_opaque": "torchlens.io.opaque:refuse_opaque",
     "NumpyEditOps": "torchlens.intervention.numpy_ops:NumpyEditOps",
     "HookContext": "torchlens.intervention.edits:HookContext",
+    "fire": "torchlens.intervention.edits:fire",
+    "changed_params": "torchlens.intervention.params:changed_params",
+    "param_addresses": "torchlens.intervention.params:param_addresses",
+    "refuse_unreplayable": "torchlens.intervention.preconditions:refuse_unreplayable",
+    "progress": "torchlens.viz.progress:progress",
 }
 
 
@@ -120,10 +140,13 @@ __all__ = [
     "BackendSpec", "FrameworkRequirement", "hookimpl", "lazy_loader",
     "BackendCapabilities", "BackendProtocol", "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward",
     "SupportsValidation", "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues",
-    "SupportsCallableTable", "SupportsOpRebinding", "supports", "refusal_codes_for", "CAPABILITY_REFUSALS",
+    "SupportsCallableTable", "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps",
+    "supports", "install_hint", "CaptureOptions", "TraceOptions", "AttributeWrite", "refusal_codes_for", "CAPABILITY_REFUSALS",
     "REFUSAL_CODES", "VALIDATION_REASONS",
     "EventLog", "OpEvent", "ModuleEnter", "ModuleExit", "ArgRef", "ModelInfo", "ModuleInfo", "ParamInfo", "BufferInfo",
-    "fill_template", "build_trace", "save_plan", "apply_save", "Provenance", "check_requested_capabilities",
+    "fill_template", "input_paths", "positional_path", "keyword_path", "item_path", "field_path", "build_trace",
+    "save_plan", "apply_save", "Provenance", "check_requested_capabilities",
     "ValidationStatus", "param_values", "CallablePlaceholder", "UnencodableValue", *_LAZY,
     "TorchLensError", "BackendUnsupportedError", "InvalidArgumentError", "TraceCaptureError", "ArtifactError",
+    "LookupMissError", "ReentrantTraceError", "SaveBudgetExceededError", "ValidationError",
 ]

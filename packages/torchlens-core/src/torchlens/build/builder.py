@@ -23,6 +23,7 @@ from typing import Any, Iterable
 from torchlens.build.events import EventLog, ModelInfo, ModuleEnter, ModuleExit, OpEvent
 from torchlens.records.module import Buffer, Module, ModuleCall, Param
 from torchlens.records.op import Layer, Op
+from torchlens.records.ports import port
 from torchlens.records.trace import Cost, Provenance, Trace
 
 _SOURCE_KINDS = {"input", "buffer", "output"}
@@ -200,12 +201,28 @@ def build_trace(
             if addr in trace._buffers and op.label not in trace._buffers[addr].op_labels:
                 trace._buffers[addr].op_labels.append(op.label)
 
-    trace.uncalled_modules = [a for a, m in trace._modules.items() if not m.calls]
+    drop_uncalled_modules(trace)
     trace.cost = cost or _cost(trace)
-    from torchlens.intervention.params import stamp_params
+    stamp_params = port("stamp_params")
 
     stamp_params(trace)  # replay refuses parameters changed after this point
     return trace
+
+
+def drop_uncalled_modules(trace: Trace) -> None:
+    """An uncalled module has no Module record (spec glossary, "Module filters"): record the
+    addresses of the modules without a call in `trace.uncalled_modules`, drop their records
+    and their entries in their parents' `children`. Their parameters and buffers stay (a
+    called module's `all_param_addresses` counts them, as torch's `parameters()` does).
+    The root `self` keeps its record: it is the trace's module tree."""
+    uncalled = [a for a, m in trace._modules.items() if not m.calls and a != "self"]
+    trace.uncalled_modules = list(dict.fromkeys([*trace.uncalled_modules, *uncalled]))
+    gone = set(trace.uncalled_modules)
+    for a in gone:
+        trace._modules.pop(a, None)
+    for m in trace._modules.values():
+        if any(c in gone for c in m.children):
+            m.children = [c for c in m.children if c not in gone]
 
 
 def _output_slots(ids: Any, op_of_event: dict[int, Op]) -> list[list] | None:
@@ -252,7 +269,8 @@ def _build_modules(trace: Trace, info: ModelInfo) -> None:
         if mod.parent is not None and mod.parent in trace._modules:
             trace._modules[mod.parent].children.append(addr)
     for pi in info.params:
-        p = Param(pi.address, pi.module, pi.name, pi.shape, pi.dtype, pi.trainable, pi.value, pi.device)
+        p = Param(pi.address, pi.module, pi.name, pi.shape, pi.dtype, pi.trainable, pi.value, pi.device,
+                  pi.aliases)
         p._trace = trace
         trace._params[pi.address] = p
         if pi.module in trace._modules:

@@ -45,6 +45,7 @@ class ParamInfo:
     trainable: bool
     value: Any = None
     device: str = "cpu"
+    aliases: tuple[str, ...] = ()  # the other addresses of a tied parameter (module paths)
 
 
 @dataclass(slots=True)

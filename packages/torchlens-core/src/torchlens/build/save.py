@@ -107,3 +107,28 @@ def apply_save(trace: "Trace", plan: SavePlan, *, keep_output_ops: bool = False)
         if op.label not in keep and not (keep_output_ops and op.kind == "output"):
             op.saved = False
             op._outputs = tuple(None for _ in op._outputs)
+
+
+def check_saved_matches(trace: "Trace", save: Any, backend: str = "") -> None:
+    """Core's check, after any backend's capture, that no payload outside `save=` was kept.
+
+    A backend that ignores `save_plan`/`apply_save` would otherwise silently save everything
+    (7 of 7 ops kept for `save=tl.func("relu")`). Output ops are exempt (a backend may keep the
+    model's return value). Ops the plan names but the backend could not keep are not refused:
+    `op.saved` says so per op, and reading one raises `payload_unavailable`.
+    """
+    plan = save_plan(save)
+    if plan.kind == "all":
+        return
+    keep = resolve_save(trace, plan)
+    extra = [op.label for op in trace._ops.values() if op.saved and op.kind != "output" and op.label not in keep]
+    if extra:
+        from torchlens.errors import PluginError
+
+        name = backend or getattr(getattr(trace, "provenance", None), "backend", "") or "?"
+        raise PluginError("backend_save_plan_ignored",
+                          f"the {name} backend kept {len(extra)} payload(s) that save={save!r} did not ask for "
+                          f"({', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})",
+                          remedy="the backend must apply the plan: call torchlens.backends.sdk.apply_save(trace, "
+                                 "save_plan(save)) after building (see docs/guides/plugins.md); until then use save='all'",
+                          backend=name, extra_labels=extra[:20], num_extra=len(extra))

@@ -14,6 +14,7 @@ into a payload another trace holds or into the model's weights or inputs.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -155,6 +156,13 @@ def _vector_check(who: str, n: int, dim: int | None) -> Callable[[tuple], None]:
     def check(site: tuple) -> None:
         if dim is None:
             matches = [i for i, s in enumerate(site) if s == n]
+            if not matches and who == "steer":  # dim= cannot help: no axis has this length; say which fit
+                lengths = sorted({int(s) for s in site})
+                raise C.bad(who, f"a direction of length {n} fits no axis of the site's shape {site}; expected a "
+                            f"length of {site[-1] if site else '?'} (the last axis) or another axis length {lengths}",
+                            f"pass a direction of length {site[-1] if site else '?'} for the site's last axis "
+                            f"(check trace[site].shape)", "steer_direction_invalid", length=n,
+                            expected_lengths=lengths, site_shape=site)
             if len(matches) != 1:
                 raise AmbiguousAxisError("axis_ambiguous", f"{who}: a direction of length {n} matches axes {matches} of "
                                          f"shape {site}", remedy=f"pass dim= (one of {matches or list(range(len(site)))})",
@@ -458,10 +466,22 @@ def _source_value(source: Any, ctx: HookContext) -> Any:
     return ctx.ops.asarray(source, None)
 
 
+def _is_helper_factory(obj: Any) -> bool:
+    """True for an edit helper itself (`tl.zero_ablate`, not `tl.zero_ablate()`): a function of
+    torchlens.intervention declared to return an Edit. Passed as a hook it would fail only when
+    the edit fires, with a raw TypeError, so it is refused when the edit is staged."""
+    return (inspect.isfunction(obj) and str(getattr(obj, "__module__", "")).startswith("torchlens.intervention")
+            and getattr(obj, "__annotations__", {}).get("return") in ("Edit", Edit))
+
+
 def as_edit(obj: Any) -> Edit:
     """An Edit as-is; a callable as a hook; any other value as `replace_with(value)`."""
     if isinstance(obj, Edit):
         return obj
+    if _is_helper_factory(obj):
+        raise InterventionError("intervention_edit_invalid", f"tl.{obj.__name__} is an edit helper, not an edit: "
+                                f"call it to build the edit", remedy=f"did you mean tl.{obj.__name__}()?",
+                                helper=obj.__name__)
     if callable(obj):
         return hook(obj)
     if obj is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchlens.backends.protocol import SupportsInterventions, supports
 from torchlens.errors import InterventionError
 from torchlens.intervention.edits import Edit, _builtin
 
@@ -78,8 +79,7 @@ def fast_rerun(trace: Any, model: Any, inputs: tuple, input_kwargs: dict, recipe
         raise refused("fast_rerun_graph_unsteered", "the recorded values do not reflect the staged recipe (an edit was "
                       "staged without running, or cleared after it ran)")
     proto = trace._backend
-    attach = getattr(type(proto), "attach_module_edits", None) if proto is not None else None
-    if attach is None:
+    if not supports(proto, SupportsInterventions):
         raise refused("fast_rerun_backend_unsupported", f"the {trace.provenance.backend} backend cannot hook module exits")
     for _a, _c, edit in rules:
         check_tensors_unchanged(edit)
@@ -127,11 +127,11 @@ def fast_rerun(trace: Any, model: Any, inputs: tuple, input_kwargs: dict, recipe
         if op.saved:  # a saved model input holds this run's input
             values[op.label] = ops.clone(v)
     for label, value in values.items():
-        result._ops[label]._outputs = (value,)
+        result._ops[label].replace_outputs((value,))
     out_op = result.output_ops[0]
     if out_op.saved:
-        out_op._outputs = (out,)
-    result._output, result._output_state = out, None
+        out_op.replace_outputs((out,))
+    result.set_output(out)
     fired_rules = [repr(recipe.rules[i].target) for i in range(len(rules)) if fired.get(i)]
     unfired = [repr(recipe.rules[i].target) for i in range(len(rules)) if not fired.get(i)]
     st = _state(result)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from torchlens.backends.protocol import SupportsInterventions, supports
 from torchlens.errors import InterventionError
 from torchlens.intervention.edits import Edit, HookContext, fire
 from torchlens.intervention.recipe import Recipe
@@ -128,7 +129,7 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
                       "unfired_sites": [labels[e] for e in by_event if e not in plan.fired],
                       "backward_ready_forced": forced, "armed_gradient_edits": len(grad_by_event),
                       "graph_diverged_at": diverged}
-    result.__dict__["_edit_plan"] = plan
+    result._edit_plan = plan
     result.annotations["unmatched_capture_selectors"] = [repr(r.target) for r, lbs, _, _ in resolved if not lbs]
     return result
 
@@ -214,7 +215,7 @@ def rerun(trace: Any, model: Any, inputs: Any, recipe: Recipe, *, on_zero_fire: 
     result = live_capture(proto, model, _as_args(inputs), dict(input_kwargs or {}), recipe, save=save, capture=capture,
                           on_zero_fire=on_zero_fire, zero_fire_code="rerun_zero_fire", check_graph=check_graph,
                           engine="rerun")
-    result.__dict__["_intervention"]["last_run"]["fast_refused"] = fast_refused
+    result._intervention["last_run"]["fast_refused"] = fast_refused
     return result
 
 
@@ -305,7 +306,7 @@ class BoundModel:
         module_rules = self._module_rules()
         if module_rules is not None:
             _refuse_alias_spellings(self._model, [a for a, _c, _e in module_rules])
-        if module_rules is not None and hasattr(proto, "attach_module_edits"):
+        if module_rules is not None and supports(proto, SupportsInterventions):
             ops = proto.edit_ops()
             fired: dict[int, int] = {}
             handle = proto.attach_module_edits(self._model, module_rules, ops, fired)
@@ -324,7 +325,7 @@ class BoundModel:
 
         result = live_capture(proto, self._model, args, kwargs, self._recipe, save="none", capture=CaptureOptions(),
                               on_zero_fire=self._on_zero_fire, zero_fire_code="bind_zero_fire")
-        st = result.__dict__["_intervention"]
+        st = result._intervention
         self.last_report = {"mode": "capture", **(st["last_run"] or {})}
         return result.output
 

@@ -57,5 +57,12 @@ class NumpyEditOps:
             return None
         return (p.__array_interface__["data"][0], p.shape, str(p.dtype), p.strides)
 
+    def replay_args(self, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Arguments replay may run on without writing into saved payloads: an in-place op's
+        first argument is copied."""
+        if op.is_inplace and args:
+            args = (self.clone(args[0]),) + tuple(args[1:])
+        return args, kwargs
+
     def rng_state(self, state: Any) -> Any:
         return contextlib.nullcontext()

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from torchlens.backends.protocol import BackendProtocol, SupportsInterventions, supports
+
 
 class ParamStamps:
     """address -> the parameter value captured and its stamp. Copies made by pickling
@@ -46,21 +48,19 @@ class ParamStamps:
 
 def stamp_params(trace: Any) -> None:
     """Stamp every parameter a fresh trace holds (called once, when the trace is built).
-    A backend whose edit ops have no `param_stamp` (or no edit ops) is not checked."""
+    A backend without interventions (no edit ops) is not checked; a value its `param_stamp`
+    cannot stamp (None) is not either."""
     backend = trace._backend
-    make_ops = getattr(backend, "edit_ops", None) if backend is not None else None
-    if make_ops is None:
-        return
-    ops = make_ops()
-    if getattr(ops, "param_stamp", None) is None:
-        return
+    if not isinstance(backend, BackendProtocol) or not supports(backend, SupportsInterventions):
+        return  # no backend, a partial one (hand-built example traces) or one without edit ops
+    ops = backend.edit_ops()  # an EditOps (checked at registration): param_stamp is there
     values = {a: p.value for a, p in trace._params.items() if p.value is not None}
-    trace.__dict__["_param_stamps"] = ParamStamps(ops, values)
+    trace._param_stamps = ParamStamps(ops, values)
 
 
 def changed_params(trace: Any, addresses: Iterable[str]) -> list[str]:
     """Addresses (of `addresses`) whose parameter changed since `trace` was captured."""
-    stamps = trace.__dict__.get("_param_stamps")
+    stamps = trace._param_stamps
     if stamps is None:
         return []
     return stamps.changed(addresses)
@@ -93,7 +93,7 @@ def check_params_unchanged(trace: Any, ops: Iterable[Any], *, allow: bool) -> li
     that changed since capture; with `allow=True` return the changed addresses instead."""
     from torchlens.errors import ReplayPreconditionError
 
-    if trace.__dict__.get("_param_stamps") is None:
+    if trace._param_stamps is None:
         return []
     seen: list[str] = []
     for op in ops:

@@ -136,11 +136,7 @@ def _reexecute(trace: Any, op: Any, ev2label: dict, changed: dict, ops: Any) -> 
 
     args = fill_template(op.args_template, fill)
     kwargs = fill_template(op.kwargs_template or {}, fill)
-    prepare = getattr(ops, "replay_args", None)
-    if prepare is not None:  # the backend knows which arguments an op writes into
-        args, kwargs = prepare(op, tuple(args), dict(kwargs))
-    elif op.is_inplace and args:
-        args = (ops.clone(args[0]),) + tuple(args[1:])
+    args, kwargs = ops.replay_args(op, tuple(args), dict(kwargs))  # the backend knows which arguments an op writes into
     state = op.meta.get("rng_state")
     try:
         with ops.rng_state(state):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any
 
+from torchlens.backends.protocol import edit_ops_of
 from torchlens.errors import InterventionError, TraceMutationWarning
 from torchlens.intervention.edits import Edit, as_edit
 from torchlens.intervention.recipe import Recipe, Rule
@@ -50,10 +50,10 @@ def normalize_plan(site: Any, edit: Any) -> list[Rule]:
 
 
 def _state(trace: Any) -> dict:
-    st = trace.__dict__.get("_intervention")
+    st = trace._intervention
     if st is None:
-        st = trace.__dict__["_intervention"] = {"recipe": Recipe(), "audit": [], "warned": False, "last_run": None,
-                                                "is_fork": False}
+        st = trace._intervention = {"recipe": Recipe(), "audit": [], "warned": False, "last_run": None,
+                                    "is_fork": False}
     return st
 
 
@@ -82,6 +82,8 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
     if engine == "rerun" and (model is None or inputs is None):
         raise InterventionError("rerun_inputs_required", "engine='rerun' needs model= and inputs=",
                                 remedy="trace.do(site, edit, model=model, inputs=x)")
+    if engine == "rerun":
+        _refuse_bound_method(trace)
     if engine == "replay":
         for r in rules:
             if _is_grad(r.target):
@@ -113,8 +115,8 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         st = _state(trace)
         st["recipe"] = new_recipe
         st["steered_digest"] = new_recipe.digest
-        st["live_armed"] = result.__dict__["_intervention"].get("live_armed", ())
-        st["last_run"] = result.__dict__["_intervention"]["last_run"]
+        st["live_armed"] = result._intervention.get("live_armed", ())
+        st["last_run"] = result._intervention["last_run"]
         _audit(st, engine, resolved)
         if loss is not None:
             trace.backward(loss(trace))
@@ -124,10 +126,11 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
 
     if opts.differentiable:
         target = fork(trace, f"{trace.name}-differentiable")
-        grad_on = getattr(trace._backend.edit_ops(), "grad_enabled", None)
-        import contextlib
-
-        with grad_on() if grad_on is not None else contextlib.nullcontext():
+        backend = trace._backend
+        ops = edit_ops_of(backend, "differentiable replay")
+        backend.capabilities().refuse_unless("backward_capture", f"differentiable replay needs gradients: the "
+                                             f"{backend.name} backend does not declare backward_capture")
+        with ops.grad_enabled():  # DifferentiableEditOps (checked at registration)
             return do(target, site, edit, intervention=InterventionOptions(
                 engine="replay", on_zero_fire=opts.on_zero_fire, allow_changed_params=opts.allow_changed_params))
 
@@ -141,12 +144,9 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
     changed, reexecuted = replay(trace, plan, allow_changed_params=opts.allow_changed_params, report=report)
     _warn_root(trace, st)
     for label, outs in changed.items():
-        op = trace._ops[label]
-        op._outputs = tuple(outs)
-        op.saved = True
+        trace._ops[label].replace_outputs(outs)
     if trace._output_state is None and any(trace._ops[lb].kind == "output" for lb in changed):
-        trace._output, trace._output_state = None, "output_not_stored"  # the live return is the clean value
-        trace.__dict__["_output_reason"] = "edited"
+        trace.drop_output("edited")  # the live return is the clean value
     if steered_digest(trace) == st["recipe"].digest:  # the values reflected the recipe; now they reflect the new one
         st["steered_digest"] = Recipe(st["recipe"].rules + tuple(rules)).digest
     st["recipe"] = Recipe(st["recipe"].rules + tuple(rules))
@@ -244,54 +244,19 @@ def fork(trace: Any, name: str | None = None) -> Any:
     """A copy whose records can be edited independently; payload values are shared until
     an edit replaces them. Edits never write into a shared value: built-in helpers build new
     values, and a user callable is handed its own copy (`edits.fire`)."""
-    new = copy.copy(trace)
-    new.__dict__ = dict(trace.__dict__)
-    new.name = name or f"{trace.name}-fork"
-    new._ops = {}
-    for label, op in trace._ops.items():
-        o = copy.copy(op)
-        o.children = list(op.children)
-        o._trace = new
-        new._ops[label] = o
-    new._layers = {}
-    for label, layer in trace._layers.items():
-        lay = copy.copy(layer)
-        lay._trace = new
-        lay.ops = [new._ops[o.label] for o in layer.ops]
-        new._layers[label] = lay
-    for attr in ("_modules", "_module_calls", "_params", "_buffers"):
-        d = {}
-        for k, rec in getattr(trace, attr).items():
-            r = copy.copy(rec)
-            r._trace = new
-            d[k] = r
-        setattr(new, attr, d)
-    for m in new._modules.values():
-        m.calls = [new._module_calls[c.label] for c in m.calls]
+    new = trace.copy(name or f"{trace.name}-fork")  # records copied by their owner; no live output
     old = _state(trace)
-    new.__dict__["_intervention"] = {"recipe": old["recipe"], "audit": list(old["audit"]), "warned": True,
-                                     "last_run": old["last_run"], "is_fork": True,
-                                     "direct_writes": list(old.get("direct_writes", [])),
-                                     "direct_write_dirty": bool(old.get("direct_write_dirty")),
-                                     "steered_digest": steered_digest(trace), "live_armed": old.get("live_armed", ())}
-    if new._output_state is None:  # a fork has no live forward return of its own (glossary: Trace.output)
-        new._output = None
-        new._output_state = "output_not_stored"
-        new.__dict__["_output_reason"] = "fork"
+    new._intervention = {"recipe": old["recipe"], "audit": list(old["audit"]), "warned": True,
+                         "last_run": old["last_run"], "is_fork": True,
+                         "direct_writes": list(old.get("direct_writes", [])),
+                         "direct_write_dirty": bool(old.get("direct_write_dirty")),
+                         "steered_digest": steered_digest(trace), "live_armed": old.get("live_armed", ())}
     return new
 
 
 def _adopt(trace: Any, result: Any) -> None:
     """Make `trace` hold `result`'s records (the rerun engine's result), in place."""
-    keep_state = trace.__dict__.get("_intervention")
-    name = trace.name
-    trace.__dict__.update(result.__dict__)
-    trace.name = name
-    if keep_state is not None:
-        trace.__dict__["_intervention"] = keep_state
-    for coll in (trace._ops, trace._layers, trace._modules, trace._module_calls, trace._params, trace._buffers):
-        for rec in coll.values():
-            rec._trace = trace
+    trace.adopt(result)
 
 
 def clear_edits(trace: Any, site: Any = None, handle: Any = None, *, strict: bool = False) -> Any:
@@ -349,7 +314,7 @@ def restore_state(trace: Any, saved: dict) -> None:
 def unapplied_gradient_rules(trace: Any) -> list[Rule]:
     """The gradient rules of the trace's recipe that its recorded backward graph does not
     carry (only a live capture or rerun with the rule arms hooks on the graph it builds)."""
-    st = trace.__dict__.get("_intervention")
+    st = trace._intervention
     if st is None:
         return []
     live = set(st.get("live_armed", ()))
@@ -379,6 +344,17 @@ def steered_digest(trace: Any) -> str | None:
     return st.get("steered_digest", Recipe().digest)
 
 
+def _refuse_bound_method(trace: Any) -> None:
+    """Spec glossary (bound-method capture, Errors): a capture rooted at a bound method
+    cannot be rerun (the rerun entry point is the model's call); replay is unaffected."""
+    entry = str(getattr(trace.provenance, "root_entry_point", "module"))
+    if entry.startswith("bound_method:"):
+        raise InterventionError("rerun_entry_point_unsupported", f"this trace was captured from {entry[13:]}, a bound "
+                                "method; the rerun engine re-executes the model's call and cannot rerun it",
+                                remedy="edit it with the replay engine (omit model= and inputs=), or capture "
+                                "tl.trace(model, ...) to rerun", root_entry_point=entry)
+
+
 def run(trace: Any, model: Any, inputs: Any, /, *, input_kwargs: dict | None = None, on_zero_fire: str = "warn") -> Any:
     """Re-execute `model` on `inputs` with this trace's recipe live; returns a new Trace.
 
@@ -388,6 +364,7 @@ def run(trace: Any, model: Any, inputs: Any, /, *, input_kwargs: dict | None = N
     from torchlens.intervention.fast import fast_rerun
     from torchlens.intervention.live import _as_args, rerun
 
+    _refuse_bound_method(trace)
     recipe_ = _state(trace)["recipe"]
     refuse_placeholders(recipe_.rules)
     fast_refused = None

@@ -209,7 +209,7 @@ def encode_tables(trace: Any, enc: Encoder) -> dict[str, dict[str, Any]]:
     """Every record of `trace` as typed tables (payloads collected in `enc`)."""
     prov, cost = trace.provenance, trace.cost
     annotations = dict(trace.annotations)
-    armed = len(trace.armed_edits) if "_intervention" in trace.__dict__ else 0
+    armed = len(trace.armed_edits) if trace._intervention is not None else 0
     if armed:  # the saved trace keeps its armed gradient rules (intervention.json) and says how many
         annotations["armed_gradient_edits"] = armed
     tables = {

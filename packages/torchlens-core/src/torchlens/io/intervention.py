@@ -231,7 +231,15 @@ def _rebuild_edit(name: str, kw: dict[str, Any], where: str, depth: int = 0) -> 
     except Exception as exc:  # a helper refusing arguments read from the file: typed, cause chained
         raise _malformed(f"{where}: helper {name!r:.80} arguments do not rebuild it ({type(exc).__name__}: "
                          f"{str(exc)[:200]})") from exc
+    if name in _RENAMED:  # removed spellings (spec glossary): say so, never guess the new arguments
+        raise ArtifactError("intervention_helper_renamed", f"{where}: helper {name!r} was removed; it is now "
+                            f"{_RENAMED[name]}", remedy=f"re-create the edit with {_RENAMED[name]} and save the spec "
+                            "again", helper=name, replacement=_RENAMED[name], at=where)
     raise ArtifactError("recipe_record_malformed", f"{where}: unknown helper {name!r:.80}", remedy="save the spec again")
+
+
+#: removed helper spellings a saved spec may still name -> the helper that replaced each
+_RENAMED = {"mean_fill": "mean_ablate", "resample_ablate": "scramble_elements"}
 
 
 def _stored_mask(kw: dict[str, Any], where: str) -> Any:

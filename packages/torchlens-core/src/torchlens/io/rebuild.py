@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchlens.build.builder import drop_uncalled_modules
 from torchlens.errors import ArtifactError, TorchLensError
 from torchlens.records.module import Buffer, Module, ModuleCall, Param
 from torchlens.records.op import Layer, Op
@@ -80,7 +81,7 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
         check(r["calls"], calls, f"{w}.calls")
         check(r["param_addresses"], params, f"{w}.param_addresses")
         check(r["buffer_addresses"], buffers, f"{w}.buffer_addresses")
-        if r["parent"] is not None:
+        if r["parent"] is not None and r["parent"] not in t_row["uncalled_modules"]:  # e.g. a ModuleList's items
             check([r["parent"]], modules, f"{w}.parent")
         for c in r["calls"]:
             if calls[c]["address"] != r["address"]:
@@ -93,7 +94,14 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
     for kind, col, pool in (("params", "consumer_labels", ops), ("buffers", "op_labels", ops)):
         for i, r in enumerate(rows[kind]):
             check(r[col], pool, f"{kind}[{i}].{col}")
-    check(t_row["uncalled_modules"], modules, "trace[0].uncalled_modules")
+    paths = set(params)  # a tied parameter's aliases are paths no other record (or alias) holds
+    for i, r in enumerate(rows["params"]):
+        for a in r["aliases"]:
+            if a in paths:
+                raise ArtifactError("record_reference_invalid", f"params[{i}].aliases repeats the address {a!r}",
+                                    remedy="the records are damaged; save the trace again", at=f"params[{i}].aliases")
+            paths.add(a)
+    _check_uncalled(t_row["uncalled_modules"], modules)
     backend = manifest["backend"]
     if (backend["name"], backend["version"], backend["framework_version"]) != (
             p_row["backend"], p_row["backend_version"], p_row["framework_version"]):
@@ -108,7 +116,7 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
     if t_row["backward_passes"] < 0:
         raise ArtifactError("record_schema_invalid", "trace.backward_passes is negative",
                             remedy="the records are damaged; save the trace again", at="trace.backward_passes")
-    trace.__dict__["_backward_passes"] = t_row["backward_passes"]  # trace.autograd.backward_passes
+    trace._backward_passes = t_row["backward_passes"]  # trace.autograd.backward_passes
     trace.provenance = Provenance(**p_row)
     trace.cost = Cost(**c_row)
     trace._output = None
@@ -144,7 +152,8 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
         mod._trace = trace
         trace._modules[address] = mod
     for address, r in params.items():
-        p = Param(address, r["module"], r["name"], r["shape"], r["dtype"], r["trainable"], r["value"], r["device"])
+        p = Param(address, r["module"], r["name"], r["shape"], r["dtype"], r["trainable"], r["value"], r["device"],
+                  r["aliases"])
         p.consumer_labels = r["consumer_labels"]
         p._trace = trace
         trace._params[address] = p
@@ -153,9 +162,23 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
         b.op_labels = r["op_labels"]
         b._trace = trace
         trace._buffers[address] = b
+    drop_uncalled_modules(trace)  # a file from before the rule may hold call-less records: the rule holds on load
     trace._backend = _backend_or_none(trace.provenance.backend) if attach_backend else None
     _rebind_callables(trace)
     return trace
+
+
+def _check_uncalled(uncalled: Any, modules: dict) -> None:
+    """Uncalled addresses are distinct, and a module record listed as uncalled has no call
+    (a record with calls cannot be uncalled)."""
+    if len(set(uncalled)) != len(uncalled):
+        raise ArtifactError("record_reference_invalid", "trace.uncalled_modules repeats an address",
+                            remedy="the records are damaged; save the trace again", at="trace[0].uncalled_modules")
+    for a in uncalled:
+        if a in modules and modules[a]["calls"]:
+            raise ArtifactError("record_reference_invalid", f"trace.uncalled_modules lists {a!r}, a module with calls",
+                                remedy="the records are damaged; save the trace again",
+                                at="trace[0].uncalled_modules", address=a)
 
 
 def _rebind_callables(trace: Trace) -> None:

@@ -56,7 +56,8 @@ SCHEMAS: dict[str, list[tuple[str, str]]] = {
         ("output_labels", "str_list")],
     "params": [
         ("address", "str"), ("module", "str"), ("name", "str"), ("shape", "shape"), ("dtype", "str"),
-        ("trainable", "bool"), ("value", "value"), ("device", "str"), ("consumer_labels", "str_list")],
+        ("trainable", "bool"), ("value", "value"), ("device", "str"), ("consumer_labels", "str_list"),
+        ("aliases", "str_tuple")],
     "buffers": [
         ("address", "str"), ("module", "str"), ("name", "str"), ("shape", "shape"), ("dtype", "str"), ("value", "value"),
         ("persistent", "bool"), ("device", "str"), ("op_labels", "str_list")],

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Generic, Iterator, TypeVar
 
 from torchlens.errors import AmbiguousOpLookupError, InvalidArgumentError, LookupMissError
+from torchlens.records.ports import port
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchlens.records.trace import Trace
@@ -100,6 +101,10 @@ class Collection(Generic[R]):
             pool += list(self._trace._layers) + list(self._trace._modules)
         close = difflib.get_close_matches(key, list(dict.fromkeys(pool)), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
+        if self.kind in ("module", "module call") and split_pass_token(key)[0] in self._trace.uncalled_modules:
+            return LookupMissError("label_unknown", f"module {key!r} exists but was never called: an uncalled module has "
+                                   "no record", remedy="list uncalled module addresses with trace.modules.uncalled",
+                                   key=key, uncalled=True, suggestions=[])
         return LookupMissError("label_unknown", f"no {self.kind} {key!r} in this trace{hint}",
                                remedy=f"list the valid keys with .labels ({len(self)} {self.kind}s)", key=key,
                                suggestions=close)
@@ -124,7 +129,7 @@ class Collection(Generic[R]):
 
     def _field(self, rec: Any, key: str) -> Any:
         if key == "kind" and hasattr(rec, "func_name"):  # the op family token: __add__ and add_ are "add"
-            from torchlens.build.builder import normalize_type
+            normalize_type = port("normalize_type")
 
             return normalize_type(rec.func_name)
         return getattr(rec, key)
@@ -152,7 +157,7 @@ class Collection(Generic[R]):
 
     def to_pandas(self) -> Any:
         """One row per record, as a pandas DataFrame (needs pandas)."""
-        from torchlens.viz.tables import collection_dataframe
+        collection_dataframe = port("collection_dataframe")
 
         return collection_dataframe(self)
 
@@ -160,6 +165,11 @@ class Collection(Generic[R]):
         labels = list(self._records)
         head = ", ".join(labels[:6]) + (", ..." if len(labels) > 6 else "")
         return f"<{len(self)} {self.kind}s: {head}>"
+
+    def _repr_html_(self) -> str:
+        collection_html = port("collection_html")
+
+        return collection_html(self)
 
 
 class OpCollection(Collection):
@@ -330,10 +340,26 @@ class _StateCollection(Collection):
 
 
 class ParamCollection(_StateCollection):
+    """Parameter records, one per stored value: a tied parameter (GPT-2's `wte`/`lm_head`
+    weight) is one Param whose `aliases` hold its other module paths, so `.numel` counts it
+    once and `.numel_by_path` once per path (spec glossary: Trace.params filters and totals);
+    an alias address looks up the same record."""
+
     kind = "param"
 
     def _op_addresses(self, op):
         return [a for a in op.params if a in self._records]
+
+    def _convert(self, key: str):
+        for p in self._records.values():
+            if key in p.aliases:
+                return p
+        return super()._convert(key)
+
+    @property
+    def numel_by_path(self) -> int:
+        """Elements counted once per module path a parameter is registered at."""
+        return sum(r.numel * (1 + len(r.aliases)) for r in self._records.values())
 
     @property
     def trainable(self) -> "ParamCollection":

@@ -56,7 +56,8 @@ class HealthFacts:
 class GraphFacts:
     """`trace.graph`: the graph's shape. `edges` are (parent, child) op labels; a trace is
     recurrent when some layer ran more than once; `orphans` are ops with neither parents nor
-    children; `tied_param_groups` are parameter addresses sharing one stored value."""
+    children; `tied_param_groups` are the module paths of each tied parameter (its address
+    first, then its recorded aliases)."""
 
     edges: tuple[tuple[str, str], ...]
     is_recurrent: bool
@@ -105,12 +106,8 @@ def health_facts(trace: Any) -> HealthFacts:
 
 def graph_facts(trace: Any) -> GraphFacts:
     ops = trace._ops.values()
-    groups: dict[int, list[str]] = {}
-    for p in trace._params.values():
-        value = getattr(p, "value", None)
-        if value is not None and hasattr(value, "shape"):
-            groups.setdefault(id(value), []).append(p.address)
-    tied = tuple(tuple(g) for g in groups.values() if len(g) > 1)
+    # one Param per stored value; its recorded aliases are the other paths of the tie
+    tied = tuple(p.addresses for p in trace._params.values() if p.aliases)
     return GraphFacts(
         edges=tuple(trace.graph_edges),
         is_recurrent=any(len(layer.ops) > 1 for layer in trace._layers.values()),

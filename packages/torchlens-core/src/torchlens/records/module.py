@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from torchlens.records.op import numel as _numel
+from torchlens.records.ports import port
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchlens.records.op import Op
@@ -63,6 +64,11 @@ class ModuleCall:
 
     def __repr__(self) -> str:
         return f"<ModuleCall {self.label}: {len(self.op_labels)} ops>"
+
+    def _repr_html_(self) -> str:
+        call_html = port("call_html")
+
+        return call_html(self)
 
 
 class Module:
@@ -158,7 +164,7 @@ class Module:
     @property
     def collapse_score(self) -> float:
         """How strongly drawing prefers to fold this module into one box (higher first)."""
-        from torchlens.viz.collapse import collapse_score
+        collapse_score = port("collapse_score")
 
         return collapse_score(self)
 
@@ -202,7 +208,7 @@ class Module:
         return f"<Module {self.address} ({self.class_name}): {self.num_calls} call{'s' if self.num_calls != 1 else ''}>"
 
     def _repr_html_(self) -> str:
-        from torchlens.viz.tables import module_html
+        module_html = port("module_html")
 
         return module_html(self)
 
@@ -211,10 +217,10 @@ class Param:
     """A registered parameter: address, shape, dtype, trainability and the ops that read it."""
 
     __slots__ = ("address", "module", "name", "shape", "dtype", "trainable", "value", "device",
-                 "consumer_labels", "_trace")
+                 "consumer_labels", "aliases", "_trace")
 
     def __init__(self, address: str, module: str, name: str, shape: tuple[int, ...], dtype: str,
-                 trainable: bool, value: Any, device: str) -> None:
+                 trainable: bool, value: Any, device: str, aliases: tuple[str, ...] = ()) -> None:
         self.address = address
         self.module = module
         self.name = name
@@ -224,10 +230,16 @@ class Param:
         self.value = value
         self.device = device
         self.consumer_labels: list[str] = []
+        self.aliases = tuple(aliases)  # other addresses of a tied parameter; `address` is the first path
 
     @property
     def label(self) -> str:
         return self.address
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every module path this parameter is registered at (one unless tied)."""
+        return (self.address, *self.aliases)
 
     @property
     def numel(self) -> int:
@@ -249,6 +261,11 @@ class Param:
 
     def __repr__(self) -> str:
         return f"<Param {self.address}: {tuple(self.shape)}, {self.dtype}{'' if self.trainable else ', frozen'}>"
+
+    def _repr_html_(self) -> str:
+        param_html = port("param_html")
+
+        return param_html(self)
 
 
 class Buffer:
@@ -283,3 +300,8 @@ class Buffer:
 
     def __repr__(self) -> str:
         return f"<Buffer {self.address}: {tuple(self.shape)}, {self.dtype}>"
+
+    def _repr_html_(self) -> str:
+        buffer_html = port("buffer_html")
+
+        return buffer_html(self)

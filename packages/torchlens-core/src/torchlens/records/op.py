@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterator
 
 from torchlens.errors import AmbiguousOpLookupError, PayloadUnavailableError
+from torchlens.records.ports import port
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchlens.records.trace import Trace
@@ -85,11 +86,17 @@ class Op:
 
         self._outputs = tuple(value) if self.multi_output else (value,)
         self.saved = True
-        from torchlens.intervention.verbs import note_direct_write
+        note_direct_write = port("note_direct_write")
 
         if note_direct_write(self._trace, self.label):
             warnings.warn(f"direct write to {self.label}.out bypasses the intervention recipe; the trace is now "
                           "DIRECT_WRITE_DIRTY (use trace.do for an auditable edit)", TraceMutationWarning, stacklevel=2)
+
+    def replace_outputs(self, outs: tuple) -> None:
+        """An engine's recomputed output values (replay, fast rerun): held as saved, with no
+        direct-write mark (the intervention layer records the edit in its own audit)."""
+        self._outputs = tuple(outs)
+        self.saved = True
 
     def do(self, site: Any, edit: Any = None, /, **kwargs: Any) -> Any:
         """`Trace.do` on this op's trace (same signature: the site first, positional-only)."""
@@ -176,7 +183,7 @@ class Op:
         return f"<Op {self.label}: {self.func_name}{where}, shape ({shape}), {self.dtype}{saved}>"
 
     def _repr_html_(self) -> str:
-        from torchlens.viz.tables import op_html
+        op_html = port("op_html")
 
         return op_html(self)
 
@@ -330,6 +337,6 @@ class Layer:
         return f"<Layer {self.label}: {self.func_name}{where}, {self.num_passes} pass{'es' if self.num_passes != 1 else ''}>"
 
     def _repr_html_(self) -> str:
-        from torchlens.viz.tables import layer_html
+        layer_html = port("layer_html")
 
         return layer_html(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy as _copy
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -23,6 +24,7 @@ from torchlens.records.collections import (
 )
 from torchlens.records.module import Buffer, Module, ModuleCall, Param
 from torchlens.records.op import Layer, Op
+from torchlens.records.ports import port
 
 
 @dataclass
@@ -42,6 +44,33 @@ class Provenance:
     verification_reason: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    # Spec fields a backend records in `extra` (saved and loaded with it), promoted to named
+    # attributes. None where the backend did not record the fact (docs/reference/trace-facts.md).
+    @property
+    def owner_thread_id(self) -> int | None:
+        """`threading.get_ident()` of the thread that ran the capture."""
+        return self.extra.get("owner_thread_id")
+
+    @property
+    def thread_count_start(self) -> int | None:
+        """`threading.active_count()` just before the forward."""
+        return self.extra.get("thread_count_start")
+
+    @property
+    def thread_count_end(self) -> int | None:
+        """`threading.active_count()` just after the forward."""
+        return self.extra.get("thread_count_end")
+
+    @property
+    def thread_activity_detected(self) -> bool | None:
+        """Whether Python code ran on another thread during the forward."""
+        return self.extra.get("thread_activity_detected")
+
+    @property
+    def model_object_id(self) -> int | None:
+        """`id()` of the traced model object at capture time (identity within that process only)."""
+        return self.extra.get("model_object_id")
+
     def summary(self) -> str:
         return (f"backend {self.backend} {self.backend_version or ''} (framework {self.framework_version or '?'}), "
                 f"model {self.model_class}, captured in {self.duration:.3f}s")
@@ -49,7 +78,15 @@ class Provenance:
 
 @dataclass
 class Cost:
-    """Compute, memory and timing totals of the capture."""
+    """Compute, memory and timing totals of the capture. The totals are `tl.types` quantities
+    (`Flops`, `Macs`, `Duration`, `Bytes`): plain numbers that print with their unit; every
+    assignment wraps, so a backend's `cost.forward_duration = 0.5` reads back as a Duration."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        kind = _COST_QUANTITIES.get(name)
+        if kind is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = kind(value)
+        object.__setattr__(self, name, value)
 
     total_flops: int = 0
     total_macs: int = 0
@@ -58,6 +95,16 @@ class Cost:
     total_activation_memory: int = 0
     total_param_memory: int = 0
     num_ops_with_flops: int = 0
+
+
+def _cost_quantities() -> dict[str, type]:
+    from torchlens.types import Bytes, Duration, Flops, Macs
+
+    return {"total_flops": Flops, "total_macs": Macs, "forward_duration": Duration, "total_activation_memory": Bytes,
+            "total_param_memory": Bytes}
+
+
+_COST_QUANTITIES = _cost_quantities()
 
 
 class Trace:
@@ -81,6 +128,84 @@ class Trace:
         self.name: str = "root"
         self._backend: Any = None  # the BackendProtocol object, for verbs that execute code
         self.validation_replay_status: Any = None  # set by tl.validate / validate_forward_pass
+        # state other layers keep on a trace lives in these typed slots (issue 14 §4), never in
+        # ad-hoc attributes: the intervention layer's state (recipe, audit, last run, evidence;
+        # made on first use), the capturing backend's own state (`backend_state`), parameter
+        # stamps replay checks, the `trace.do` scopes open on it, backward passes run, and why
+        # `output` is unavailable.
+        self._intervention: dict[str, Any] | None = None
+        self._backend_state: Any = None
+        self._param_stamps: Any = None
+        self._scopes: list[Any] = []
+        self._backward_passes: int = 0
+        self._output_reason: str | None = None
+        self._edit_plan: Any = None  # the edit plan a live capture ran with (rerun engine)
+
+    # state slots -------------------------------------------------------------------------
+    @property
+    def backend_state(self) -> Any:
+        """The capturing backend's own state for this trace (for example the gradient store
+        `trace.backward` fills); None when the backend keeps none. Shared by forks."""
+        return self._backend_state
+
+    @backend_state.setter
+    def backend_state(self, value: Any) -> None:
+        self._backend_state = value
+
+    def copy(self, name: str | None = None) -> "Trace":
+        """A copy whose records can be edited independently (`trace.fork()` builds on it):
+        every record is copied and points at the copy; payload values, parameter stamps and
+        the backend state are shared; the copy has no intervention state and no scopes, and
+        no live forward return of its own (glossary: Trace.output)."""
+        new = Trace.__new__(Trace)
+        new.__dict__ = dict(self.__dict__)
+        new.name = name or f"{self.name}-copy"
+        new._intervention = None
+        new._scopes = []
+        new.annotations = dict(self.annotations)
+        new._ops = {}
+        for label, op in self._ops.items():
+            o = _copy.copy(op)
+            o.children = list(op.children)
+            o._trace = new
+            new._ops[label] = o
+        new._layers = {}
+        for label, layer in self._layers.items():
+            lay = _copy.copy(layer)
+            lay._trace = new
+            lay.ops = [new._ops[o.label] for o in layer.ops]
+            new._layers[label] = lay
+        for attr in ("_modules", "_module_calls", "_params", "_buffers"):
+            d = {}
+            for k, rec in getattr(self, attr).items():
+                r = _copy.copy(rec)
+                r._trace = new
+                d[k] = r
+            setattr(new, attr, d)
+        for m in new._modules.values():
+            m.calls = [new._module_calls[c.label] for c in m.calls]
+        if new._output_state is None:
+            new.drop_output("fork")
+        return new
+
+    def adopt(self, other: "Trace") -> None:
+        """Hold `other`'s records and payloads in place (the rerun engine's result), keeping
+        this trace's name, intervention state and scopes."""
+        keep = (self.name, self._intervention, self._scopes)
+        self.__dict__.update(other.__dict__)
+        self.name, self._intervention, self._scopes = keep
+        for coll in (self._ops, self._layers, self._modules, self._module_calls, self._params, self._buffers):
+            for rec in coll.values():
+                rec._trace = self
+
+    def drop_output(self, reason: str) -> None:
+        """The live forward return no longer describes this trace (`reason`: "fork",
+        "edited"); `trace.output` then refuses with `output_not_stored`."""
+        self._output, self._output_state, self._output_reason = None, "output_not_stored", reason
+
+    def set_output(self, value: Any) -> None:
+        """Hold `value` as the live forward return (a rerun's)."""
+        self._output, self._output_state, self._output_reason = value, None, None
 
     # accessors -------------------------------------------------------------------------
     @property
@@ -185,7 +310,7 @@ class Trace:
     def output(self) -> Any:
         """The model's return value exactly as the model returned it."""
         if self._output_state is not None:
-            reason = self.__dict__.get("_output_reason") or {"output_not_stored": "loaded"}.get(self._output_state, "")
+            reason = self._output_reason or {"output_not_stored": "loaded"}.get(self._output_state, "")
             why = {"fork": "a fork has no live forward return (its values may be edited)",
                    "edited": "a replay edit changed this trace's outputs; the live forward return is the clean value",
                    "loaded": "a loaded or unpickled trace holds no live model output"}.get(reason, "this trace holds no "
@@ -239,7 +364,7 @@ class Trace:
         address its Module and `address:N` its ModuleCall; a parameter or buffer address its
         Param/Buffer; a selector the Selection it resolves to; an int the op at that index.
         """
-        from torchlens.select.selectors import Selector
+        Selector = port("Selector")
 
         if isinstance(key, Selector):
             return key.resolve(self)
@@ -264,7 +389,7 @@ class Trace:
         if base in self._layers and token is not None:
             layer = self._layers[base]
             if token == "all":
-                from torchlens.select.selection import Selection
+                Selection = port("Selection")
 
                 return Selection(self, list(layer.ops))
             return self._pass_op(layer, token, key)
@@ -281,56 +406,58 @@ class Trace:
     def find_sites(self, selector: Any) -> Any:
         """Resolve a selector (or label) to its matching ops as a Selection (`.first()`,
         `.labels`, `.to_dataframe()`)."""
-        from torchlens.select.selectors import as_selector
+        as_selector = port("as_selector")
 
         return as_selector(selector).resolve(self)
 
     # views -----------------------------------------------------------------------------
     def summary(self, **kwargs: Any) -> str:
-        from torchlens.viz.summary import trace_summary
+        trace_summary = port("trace_summary")
 
         return trace_summary(self, **kwargs)
 
     def draw(self, path: Any = None, **kwargs: Any) -> Any:
-        from torchlens.viz.draw import draw_trace
+        draw_trace = port("draw_trace")
 
         return draw_trace(self, path, **kwargs)
 
     @property
     def module_collapse_order(self) -> list[tuple[str, float]]:
         """Every module's collapse priority, highest first."""
-        from torchlens.viz.collapse import module_collapse_order
+        module_collapse_order = port("module_collapse_order")
 
         return module_collapse_order(self)
 
     def to_pandas(self) -> Any:
-        from torchlens.viz.tables import ops_dataframe
+        ops_dataframe = port("ops_dataframe")
 
         return ops_dataframe(self)
 
     def using(self, name: str) -> Any:
-        from torchlens.appliances import bind
+        bind = port("bind_appliance")
 
         return bind(name, self)
 
     # verbs that run framework code -----------------------------------------------------
-    def _verb(self, name: str) -> Any:
+    def _capable_backend(self, flag: str, verb: str) -> Any:
+        """The trace's backend, refusing typed when it is unknown (a loaded trace whose
+        backend is not installed) or does not declare `flag` (its capability code)."""
         backend = self._backend
-        fn = getattr(backend, name, None) if backend is not None else None
-        if fn is None:
+        if backend is None:
             from torchlens.errors import BackendUnsupportedError
 
-            raise BackendUnsupportedError("backend_unknown" if backend is None else "trace_option_unsupported",
-                                          f"the {self.provenance.backend} backend does not implement {name}",
-                                          remedy="use a backend that declares this capability", verb=name)
-        return fn
+            raise BackendUnsupportedError("backend_unknown", f"the {self.provenance.backend} backend is not available to "
+                                          f"run {verb}", remedy=f"install the {self.provenance.backend} backend",
+                                          verb=verb)
+        backend.capabilities().refuse_unless(flag, f"the {backend.name} backend does not support {verb}")
+        return backend
 
     def backward(self, loss: Any, **kwargs: Any) -> Any:
         """Run the backward pass from `loss` and fill `op.grad` for saved ops. Gradient rules
         staged on this trace after its capture (`engine="set_only"`) cannot reach a graph that
         is already built: they refuse (`backward_armed_edit_unapplied`) rather than let the
         backward run without them."""
-        from torchlens.intervention.verbs import unapplied_gradient_rules
+        unapplied_gradient_rules = port("unapplied_gradient_rules")
 
         pending = unapplied_gradient_rules(self)
         if pending:
@@ -342,16 +469,15 @@ class Trace:
                 remedy="apply them on a rerun: trace.do(tl.grad(site), edit, model=model, inputs=x, loss=...), or "
                 "capture with intervene=tl.when(tl.grad(site), edit); trace.clear_edits() drops them",
                 rules=[repr(r.target) for r in pending])
-        result = self._verb("backward")(self, loss, **kwargs)
-        self.__dict__["_backward_passes"] = int(self.__dict__.get("_backward_passes", 0)) + 1  # trace.autograd
+        result = self._capable_backend("backward_capture", "backward").backward(self, loss, **kwargs)
+        self._backward_passes += 1  # trace.autograd.backward_passes
         return result
 
     def validate_forward_pass(self) -> bool:
         """Replay every op from its saved inputs (under its recorded RNG state) and compare;
         the detailed status lands in `trace.validation_replay_status`."""
-        self._backend.capabilities().refuse_unless("validation_replay") if self._backend is not None else None
-        validate = self._verb("validate")
-        from torchlens.io.opaque import refuse_opaque
+        validate = self._capable_backend("validation_replay", "validate_forward_pass").validate
+        refuse_opaque = port("refuse_opaque")
 
         refuse_opaque(self, self._ops.values())  # a loaded op the backend could not re-bind: refuse before any runs
         status = validate(self, None)
@@ -361,14 +487,14 @@ class Trace:
     # persistence -----------------------------------------------------------------------
     def save(self, path: Any, level: str = "full", overwrite: bool = False) -> Any:
         """Write this trace as a `.tlspec` directory (saved format 3); `tl.load(path)` reads it."""
-        from torchlens.io.bundle import save
+        save = port("save_trace")
 
         return save(self, path, level=level, overwrite=overwrite)
 
     def save_intervention(self, path: Any, level: str = "portable", overwrite: bool = False) -> Any:
         """Write this trace's staged recipe alone as a `.tlspec` directory of kind
         "intervention" (`tl.load` / `tl.io.load_intervention_spec` read it back)."""
-        from torchlens.io.intervention import save_intervention
+        save_intervention = port("save_intervention")
 
         return save_intervention(self, path, level=level, overwrite=overwrite)
 
@@ -381,69 +507,69 @@ class Trace:
         `intervention=` takes `InterventionOptions` or `ReplayOptions`. Replay refuses
         (`replay_param_changed_since_capture`) when an op it recomputes reads a parameter
         that changed since capture, unless `allow_changed_params=True`."""
-        from torchlens.intervention.verbs import do
+        do = port("do")
 
         return do(self, site, edit, model=model, inputs=inputs, intervention=intervention, input_kwargs=input_kwargs,
                   loss=loss)
 
     def fork(self, name: str | None = None) -> "Trace":
         """A copy with its own intervention spec and values; edits to it leave this trace alone."""
-        from torchlens.intervention.verbs import fork
+        fork = port("fork")
 
         return fork(self, name)
 
     def __enter__(self) -> "Trace":
         """`with trace.fork() as scoped:` stages edits for the block; on exit the edits the
         block staged are detached (the recipe returns to what it was on entry)."""
-        from torchlens.intervention.verbs import _state
+        _state = port("intervention_state")
 
-        self.__dict__.setdefault("_scopes", []).append(_state(self)["recipe"])
+        self._scopes.append(_state(self)["recipe"])
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from torchlens.intervention.verbs import _state
+        _state = port("intervention_state")
 
-        _state(self)["recipe"] = self.__dict__["_scopes"].pop()
+        _state(self)["recipe"] = self._scopes.pop()
 
     def clear_edits(self, site: Any = None, handle: Any = None, *, strict: bool = False) -> "Trace":
-        from torchlens.intervention.verbs import clear_edits
+        clear_edits = port("clear_edits")
 
         return clear_edits(self, site, handle, strict=strict)
 
     def run(self, model: Any, inputs: Any, /, *, input_kwargs: dict | None = None, on_zero_fire: str = "warn") -> "Trace":
         """Re-execute `model` on `inputs` with this trace's recipe live; returns a new Trace."""
-        from torchlens.intervention.verbs import run
+        run = port("run_trace")
 
         return run(self, model, inputs, input_kwargs=input_kwargs, on_zero_fire=on_zero_fire)
 
     @property
     def recipe(self) -> Any:
-        from torchlens.intervention.verbs import recipe
+        recipe = port("trace_recipe")
 
         return recipe(self)
 
     @property
     def is_pristine(self) -> bool:
-        from torchlens.intervention.verbs import is_pristine
+        is_pristine = port("is_pristine")
 
         return is_pristine(self)
 
     @property
     def intervention_audit(self) -> list[dict[str, Any]]:
-        from torchlens.intervention.verbs import _state
+        _state = port("intervention_state")
 
         return _state(self)["audit"]
 
     @property
     def last_run(self) -> dict[str, Any] | None:
-        from torchlens.intervention.verbs import _state
+        _state = port("intervention_state")
 
         return _state(self)["last_run"]
 
     @property
     def direct_write_dirty(self) -> bool:
         """True once a saved value was overwritten directly (`op.out = v`), outside the recipe."""
-        from torchlens.intervention.verbs import _state
+        _state = port("intervention_state")
 
         return bool(_state(self).get("direct_write_dirty"))
 
@@ -458,7 +584,7 @@ class Trace:
                 f"{len(self._params)} params>")
 
     def _repr_html_(self) -> str:
-        from torchlens.viz.tables import trace_html
+        trace_html = port("trace_html")
 
         return trace_html(self)
 

@@ -53,6 +53,8 @@ def _module_hint(trace: Any, address: str) -> str | None:
     base, token = split_pass_token(address)
     if address in modules:
         base, token = address, None
+    if base in trace.uncalled_modules:  # an uncalled module has no record (spec glossary)
+        return f"module {base!r} exists but was never called during the forward, so it has no ops"
     mod = modules.get(base)
     if mod is None:
         return None  # an unknown address raises label_unknown (with suggestions) before this point

@@ -63,6 +63,11 @@ class Selection:
         universe = getattr(self.selector, "universe", "activation")
         return {"gradient": "backward", "mixed": "both"}.get(universe, "forward")
 
+    def _repr_html_(self) -> str:
+        from torchlens.viz.tables import selection_html
+
+        return selection_html(self)
+
     def to_dataframe(self) -> Any:
         """One row per matched op, with a `signal` column ("forward" or "backward"; for a
         union of both universes, each op's own: "both" when both branches match it)."""

@@ -191,6 +191,10 @@ class FuncSelector(Selector):
 
 def _module_and_call(trace: "Trace", address: str) -> tuple[str, int | None]:
     base, token = split_pass_token(address)
+    if address in trace.uncalled_modules:  # no record, no ops: the selector matches nothing (zero fire)
+        return address, None
+    if token is not None and token.isdigit() and base in trace.uncalled_modules:
+        return base, int(token)
     if token is not None and token.isdigit() and base in trace._modules:
         return base, int(token)
     if address in trace._modules:
@@ -218,7 +222,9 @@ class ModuleSelector(Selector):
 
     def match_set(self, trace):
         base, call = _module_and_call(trace, self.address)
-        mod = trace._modules[base]
+        mod = trace._modules.get(base)
+        if mod is None:  # an uncalled module
+            return set()
         calls = mod.calls if call is None else [c for c in mod.calls if c.call == call]
         return {label for c in calls for label in c.output_labels}
 

@@ -114,7 +114,8 @@ def _max_plan(trace: "Trace", units: list[Unit], candidates: list[str]) -> tuple
             if p in taken:
                 hidden_by_ancestor = True
                 break
-            p = modules[p].parent if p in modules else None
+            # an uncalled ancestor (a ModuleList) has no record: step up by address
+            p = modules[p].parent if p in modules else (None if p == "self" else p.rpartition(".")[0] or "self")
         if not hidden_by_ancestor:
             chosen.append(a)
             taken.add(a)

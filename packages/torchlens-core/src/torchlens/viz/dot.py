@@ -20,6 +20,10 @@ RANKDIR = {"TB": "TB", "BT": "BT", "LR": "LR", "RL": "RL", "topdown": "TB", "bot
            "leftright": "LR", "rightleft": "RL"}
 TITLE_PT = 11
 LINE_PT = 9
+#: Node label margin (inches, x,y). The y margin is wider than Graphviz's tight default so an
+#: underscore, drawn below the baseline of a node's last line, is not clipped by the border at
+#: small sizes (labels such as `linear_1_2` and `q_proj`).
+NODE_MARGIN = "0.1,0.07"
 
 
 def quote(s: str) -> str:
@@ -56,7 +60,7 @@ def label_size(node: "RNode") -> tuple[float, float]:
     """Estimated inches a node's label needs (width, height), margins included."""
     chars = max([len(node.title)] + [len(l) * LINE_PT / TITLE_PT for l in node.lines])
     w = chars * TITLE_PT * 0.6 / 72 + 0.2
-    h = (TITLE_PT + LINE_PT * len(node.lines)) * 1.25 / 72 + 0.1
+    h = (TITLE_PT + LINE_PT * len(node.lines)) * 1.25 / 72 + 0.16
     return w, h
 
 
@@ -183,7 +187,7 @@ def emit_dot(ir: "RenderIR", opts: DotOptions, progress: Any = None) -> str:
         gattrs["splines"] = "line"
     gattrs.update(opts.graph_overrides)
     out.append(f"  graph [{_attrs(gattrs)}];")
-    out.append(f"  node [{_attrs({'shape': 'box', 'fontname': theme.fontname, 'fontsize': TITLE_PT, 'fontcolor': theme.font, 'margin': '0.1,0.04', 'height': 0.3, 'penwidth': 1.2})}];")
+    out.append(f"  node [{_attrs({'shape': 'box', 'fontname': theme.fontname, 'fontsize': TITLE_PT, 'fontcolor': theme.font, 'margin': NODE_MARGIN, 'height': 0.3, 'penwidth': 1.2})}];")
     out.append(f"  edge [{_attrs({'color': theme.edge, 'arrowsize': 0.6, 'penwidth': 1.0, 'fontname': theme.fontname, 'fontsize': LINE_PT, 'fontcolor': theme.font})}];")
 
     typical = None

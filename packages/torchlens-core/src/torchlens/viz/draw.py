@@ -342,6 +342,8 @@ def draw_trace(
     )
     if show_containers == "labels":
         opts.edge_labels = _container_labels(trace, ir)
+    for edge, role in _attention_labels(trace, ir).items():  # Q/K/V into attention ops
+        opts.edge_labels[edge] = role if edge not in opts.edge_labels else f"{opts.edge_labels[edge]} {role}"
     source = emit_dot(ir, opts, progress=pbar)
 
     schedule = (lambda: _collapse.collapse_schedule(trace, units, depth))
@@ -409,4 +411,16 @@ def _container_labels(trace: "Trace", ir: RenderIR) -> dict[tuple[str, str], str
             src = ir.node_of[parent.label]
             if src != dst:
                 labels[(src, dst)] = f"[{slot}]"
+    return labels
+
+
+def _attention_labels(trace: "Trace", ir: RenderIR) -> dict[tuple[str, str], str]:
+    """Q/K/V labels on the drawn edges into attention ops (see viz/attention.py)."""
+    from torchlens.viz.attention import qkv_edges
+
+    labels: dict[tuple[str, str], str] = {}
+    for (parent, op), role in qkv_edges(trace).items():
+        src, dst = ir.node_of.get(parent), ir.node_of.get(op)
+        if src is not None and dst is not None and src != dst and (src, dst) in ir.edges:
+            labels[(src, dst)] = role
     return labels

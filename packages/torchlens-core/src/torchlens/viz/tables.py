@@ -1,5 +1,6 @@
 """Tables and notebook HTML: `Trace.to_pandas()`, `<accessor>.to_pandas()`,
-`Selection.to_dataframe()` and the `_repr_html_` of Trace, Op, Layer and Module.
+`Selection.to_dataframe()` and the `_repr_html_` of every record, collection and Selection
+(styling and figures in `viz/notebook.py`).
 
 pandas is optional and imported only here, inside the functions that need it. Values are
 shown through the trace's backend (`host_copy`), never by importing a framework.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable
 
 from torchlens.errors import InvalidArgumentError
+from torchlens.viz import notebook as N
 from torchlens.viz.units import fmt_bytes, fmt_count, fmt_seconds, fmt_shape, fmt_shapes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -155,21 +157,25 @@ def value_preview(trace: "Trace", value: Any, k: int = 6) -> str:
     return text
 
 
-def _op_values(op: "Op") -> str:
+def _op_values(op: "Op", arr: Any = None) -> str:
+    """The value text of an op's first two outputs (`arr`: the first, already on the host)."""
     if not op.saved:
         return "(not saved)"
     try:
         outs = op._outputs
     except AttributeError:
         return ""
-    texts = [value_preview(op._trace, v) for v in outs[:2]]
+    texts = [value_preview(op._trace, arr if (i == 0 and arr is not None) else v) for i, v in enumerate(outs[:2])]
     return " | ".join(t for t in texts if t)
 
 
-def _kv_table(title: str, rows: list[tuple[str, Any]]) -> str:
-    body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{_esc(k)}</th>"
-                   f"<td style='text-align:left;font-family:monospace'>{_esc(v)}</td></tr>" for k, v in rows)
-    return f"<div><b>{_esc(title)}</b><table>{body}</table></div>"
+def _kv_table(title: str, rows: list[tuple[str, Any]], raw: dict[str, str] | None = None, sub: str = "") -> str:
+    """A record card: a heading and a two-column table (`raw` cells are trusted HTML we built)."""
+    raw = raw or {}
+    body = "".join(f"<tr><th class='k'>{_esc(k)}</th><td class='v'>{raw[k] if k in raw else _esc(v)}</td></tr>"
+                   for k, v in rows)
+    sub_html = f"<div class='tlv-sub'>{_esc(sub)}</div>" if sub else ""
+    return N.wrap(f"<h3>{_esc(title)}</h3>{sub_html}<table>{body}</table>")
 
 
 def _list(labels: Iterable[str], limit: int = 8) -> str:
@@ -179,6 +185,7 @@ def _list(labels: Iterable[str], limit: int = 8) -> str:
 
 
 def op_html(op: "Op") -> str:
+    arr = N.op_arrays(op)
     rows = [("func", op.func_name), ("kind", op.kind), ("module", " > ".join(op.module_calls) or "-"),
             ("layer", f"{op.layer_label} (pass {op.pass_number} of {op.num_passes})"),
             ("shape", fmt_shapes(op.shapes, 4)), ("dtype", ", ".join(str(d) for d in op.dtypes) or "-"),
@@ -189,8 +196,13 @@ def op_html(op: "Op") -> str:
         rows.append(("FLOPs", fmt_count(op.meta["flops"])))
     if op.meta.get("duration_s") is not None:
         rows.append(("time", fmt_seconds(op.meta["duration_s"])))
-    rows.append(("values", _op_values(op)))
-    return _kv_table(f"Op {op.label}", rows)
+    rows.append(("values", _op_values(op, arr)))
+    raw = {}
+    fig = N.op_figure(op, arr, compact=False) if arr is not None else ""
+    if fig:
+        rows.append(("attention" if N.is_attention_probs(op) else "histogram", ""))
+        raw[rows[-1][0]] = fig
+    return _kv_table(f"Op {op.label}", rows, raw)
 
 
 def layer_html(layer: "Layer") -> str:
@@ -198,11 +210,16 @@ def layer_html(layer: "Layer") -> str:
             ("passes", len(layer.ops)), ("parents", _list(layer.parents)), ("children", _list(layer.children))]
     if layer.params:
         rows.append(("params", _list(layer.params)))
+    raw = {}
     for op in layer.ops[:6]:
-        rows.append((f"pass {op.pass_number}", f"{fmt_shapes(op.shapes, 2)} {op.dtype or ''}  {_op_values(op)}"))
+        arr = N.op_arrays(op)
+        key = f"pass {op.pass_number}"
+        rows.append((key, ""))
+        raw[key] = (_esc(f"{fmt_shapes(op.shapes, 2)} {op.dtype or ''}  {_op_values(op, arr)} ")
+                    + N.op_figure(op, arr))
     if len(layer.ops) > 6:
         rows.append(("...", f"{len(layer.ops) - 6} more passes"))
-    return _kv_table(f"Layer {layer.label}", rows)
+    return _kv_table(f"Layer {layer.label}", rows, raw)
 
 
 def module_html(module: "Module") -> str:
@@ -210,36 +227,164 @@ def module_html(module: "Module") -> str:
             ("calls", _list(c.label for c in module.calls)), ("layers", len(module.layer_labels)),
             ("params", f"{fmt_count(module.num_params_total)} in {len(module.all_param_addresses)} tensors "
                        f"({fmt_count(module.num_params)} its own)")]
+    raw = {}
     outs = [op for call in module.calls for op in call.output_ops]
     if outs:
         first = outs[0]
-        rows.append(("output", f"{first.label}: {fmt_shapes(first.shapes, 2)} {first.dtype or ''}  {_op_values(first)}"
-                               + (f"  (+{len(outs) - 1} more output ops)" if len(outs) > 1 else "")))
+        arr = N.op_arrays(first)
+        rows.append(("output", ""))
+        raw["output"] = (_esc(f"{first.label}: {fmt_shapes(first.shapes, 2)} {first.dtype or ''}  {_op_values(first, arr)}"
+                              + (f"  (+{len(outs) - 1} more output ops)" if len(outs) > 1 else "") + " ")
+                         + N.op_figure(first, arr))
     else:
         rows.append(("output", "never called" if not module.calls else "-"))
     for p in module.params[:6]:
         rows.append((p.name, f"{fmt_shape(p.shape)} {p.dtype}{'' if p.trainable else ' (frozen)'}"))
-    return _kv_table(f"Module {module.address}", rows)
+    return _kv_table(f"Module {module.address}", rows, raw)
+
+
+def call_html(call: Any) -> str:
+    ops = call.ops
+    head = (f"{len(ops)} ops in {call.num_layers} layers; inputs {_list(call.input_labels, 4)}; "
+            f"outputs {_list(call.output_labels, 4)}")
+    return N.wrap(f"<h3>ModuleCall {_esc(call.label)}</h3><div class='tlv-sub'>{_esc(head)}</div>"
+                  + _ops_table(ops, 1000))
+
+
+def param_html(p: Any) -> str:
+    rows = [("module", p.module), ("shape", fmt_shape(p.shape)), ("dtype", p.dtype), ("numel", fmt_count(p.numel)),
+            ("bytes", fmt_bytes(p.nbytes)), ("trainable", p.trainable), ("consumers", _list(p.consumer_labels))]
+    arr = host_values(p._trace, p.value) if getattr(p, "value", None) is not None else None
+    raw = {}
+    if arr is not None:
+        rows.append(("values", ""))
+        raw["values"] = _esc(value_preview(None, arr) + " ") + N.histogram_svg(arr) + N.nonfinite_flags(arr)
+    return _kv_table(f"Param {p.address}", rows, raw)
+
+
+def buffer_html(b: Any) -> str:
+    rows = [("module", b.module), ("shape", fmt_shape(b.shape)), ("dtype", b.dtype), ("numel", fmt_count(b.numel)),
+            ("persistent", b.persistent), ("versions", _list(b.op_labels))]
+    arr = host_values(b._trace, b.value) if getattr(b, "value", None) is not None else None
+    raw = {}
+    if arr is not None:
+        rows.append(("values", ""))
+        raw["values"] = _esc(value_preview(None, arr) + " ") + N.histogram_svg(arr) + N.nonfinite_flags(arr)
+    return _kv_table(f"Buffer {b.address}", rows, raw)
+
+
+_OP_COLS = ("label", "func", "module", "shape", "dtype", "parents", "values", "figure")
+_OP_WIDTHS = (11, 7, 14, 7, 6, 12, 34, 9)  # percent; one layout, so the per-module tables line up
+
+
+def _op_row_html(op: "Op") -> str:
+    arr = N.op_arrays(op)
+    cells = (op.label, op.func_name, op.module or "-", fmt_shapes(op.shapes, 2), op.dtype or "-",
+             _list(op.parents, 3), _op_values(op, arr))
+    classes = ("m", "", "", "m", "", "m", "v")
+    return ("<tr>" + "".join(f"<td class='{c}'>{_esc(v)}</td>" if c else f"<td>{_esc(v)}</td>"
+                             for c, v in zip(classes, cells))
+            + f"<td>{N.op_figure(op, arr)}</td></tr>")
+
+
+def _ops_table(ops: list["Op"], max_ops: int) -> str:
+    cols = "<colgroup>" + "".join(f"<col style='width:{w}%'>" for w in _OP_WIDTHS) + "</colgroup>"
+    head = cols + "<thead><tr>" + "".join(f"<th>{c}</th>" for c in _OP_COLS) + "</tr></thead>"
+    body = [_op_row_html(op) for op in ops[:max_ops]]
+    if len(ops) > max_ops:
+        body.append(f"<tr><td colspan='{len(_OP_COLS)}'>... {len(ops) - max_ops} more ops "
+                    "(trace.to_pandas() lists all)</td></tr>")
+    return f"<table>{head}<tbody>{''.join(body)}</tbody></table>"
+
+
+def _module_path(op: "Op") -> list[str]:
+    return [c for c in (op.module_calls or ()) if not str(c).startswith("self:")]
+
+
+def _grouped_ops(trace: "Trace", ops: list["Op"]) -> str:
+    """Ops in trace order inside nested `<details>`, one per module call (collapsible), each
+    run of ops with the same innermost call in one table."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for op in ops:
+        for c in _module_path(op):
+            counts[c] += 1
+    out: list[str] = []
+    stack: list[str] = []
+    run: list["Op"] = []
+
+    def flush() -> None:
+        if run:
+            out.append(_ops_table(run, len(run)))
+            run.clear()
+
+    for op in ops:
+        path = _module_path(op)
+        if path != stack:
+            flush()
+            common = 0
+            while common < min(len(path), len(stack)) and path[common] == stack[common]:
+                common += 1
+            out.extend("</details>" for _ in stack[common:])
+            for call in path[common:]:
+                address = call.rpartition(":")[0]
+                mod = trace._modules.get(address)
+                cls = f" {mod.class_name}" if mod is not None else ""
+                out.append(f"<details open class='mod'><summary>{_esc(call)}<span class='c'>{_esc(cls)} "
+                           f"&middot; {counts[call]} ops</span></summary>")
+            stack = path
+        run.append(op)
+    flush()
+    out.extend("</details>" for _ in stack)
+    return "".join(out)
 
 
 def trace_html(trace: "Trace", max_ops: int = 1000) -> str:
-    """A header of totals and the first `max_ops` ops with shapes and a few values, in a
-    scrolling box (a GPT-2 block is ~50 ops, so a short cut-off hid the attention ops)."""
+    """A header of totals and the first `max_ops` ops, grouped by module call in collapsible
+    sections, each op with its shape, value statistics, a histogram (an attention heatmap for
+    attention probabilities) and NaN/Inf flags, in a scrolling box."""
     p = trace.provenance
     n_params = sum(q.numel for q in trace._params.values())
-    head = (f"<div><b>Trace of {_esc(p.model_class or trace.name)}</b> ({_esc(p.backend)}): "
+    head = (f"<h3>Trace of {_esc(p.model_class or trace.name)}</h3><div class='tlv-sub'>({_esc(p.backend)}) "
             f"{trace.num_ops} ops in {len(trace._layers)} layers, {len(trace._modules)} modules, "
             f"{fmt_count(n_params)} params, activations {fmt_bytes(trace.cost.total_activation_memory)}</div>")
-    cols = ("label", "func", "module", "shape", "dtype", "parents", "values")
-    body = []
     ops = list(trace)
-    for op in ops[:max_ops]:
-        cells = (op.label, op.func_name, op.module or "-", fmt_shapes(op.shapes, 2), op.dtype or "-",
-                 _list(op.parents, 3), _op_values(op))
-        body.append("<tr>" + "".join(f"<td style='text-align:left'>{_esc(c)}</td>" for c in cells) + "</tr>")
-    if len(ops) > max_ops:
-        body.append(f"<tr><td colspan='{len(cols)}'>... {len(ops) - max_ops} more ops (trace.to_pandas() lists all)</td></tr>")
-    table = ("<div style='max-height:40em;overflow:auto'><table><thead><tr>" +
-             "".join(f"<th style='text-align:left'>{c}</th>" for c in cols) +
-             "</tr></thead><tbody>" + "".join(body) + "</tbody></table></div>")
-    return head + table
+    more = (f"<div class='tlv-sub'>... {len(ops) - max_ops} more ops (trace.to_pandas() lists all)</div>"
+            if len(ops) > max_ops else "")
+    return N.wrap(head + f"<div class='scroll'>{_grouped_ops(trace, ops[:max_ops])}</div>" + more)
+
+
+def records_html(title: str, records: list[Any], kind: str, max_rows: int = 1000) -> str:
+    """A collection or Selection: ops as the op table (with figures), other records one row each."""
+    head = f"<h3>{_esc(title)}</h3>"
+    if kind == "op":
+        return N.wrap(head + f"<div class='scroll'>{_ops_table(records, max_rows)}</div>")
+    row = _ROWS.get(kind)
+    if row is None or not records:
+        return N.wrap(head + f"<div class='tlv-sub'>{_esc(_list((getattr(r, 'label', r) for r in records), 50))}</div>")
+    dicts = [row(r) for r in records[:max_rows]]
+    cols = list(dicts[0])
+    body = "".join("<tr>" + "".join(f"<td>{_esc(_cell(d[c]))}</td>" for c in cols) + "</tr>" for d in dicts)
+    if len(records) > max_rows:
+        body += f"<tr><td colspan='{len(cols)}'>... {len(records) - max_rows} more</td></tr>"
+    table = "<table><thead><tr>" + "".join(f"<th>{_esc(c)}</th>" for c in cols) + f"</tr></thead><tbody>{body}</tbody></table>"
+    return N.wrap(head + f"<div class='scroll'>{table}</div>")
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, (list, tuple)) and not (v and isinstance(v[0], int)):
+        return _list(str(x) for x in v)
+    if isinstance(v, tuple):
+        return fmt_shape(v)
+    return "-" if v is None else str(v)
+
+
+def collection_html(collection: Any) -> str:
+    return records_html(f"{len(collection)} {collection.kind}s", list(collection), collection.kind)
+
+
+def selection_html(selection: Any) -> str:
+    sel = getattr(selection, "selector", None)
+    title = f"Selection: {len(selection)} ops" + (f" matched by {sel!r}" if sel is not None else "")
+    return records_html(title, list(selection), "op")
