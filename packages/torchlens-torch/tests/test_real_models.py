@@ -35,7 +35,6 @@ _S1_CAST = "issue 12 §1: float->bool mask cast flagged perturbation_insensitive
 _S1_SDPA = "issue 12 §1: train-mode scaled_dot_product_attention(dropout_p>0) records no RNG state"
 _S1_COMPILE = "issue 12 §1: an inductor-compiled submodule is replayed eagerly and compared bit for bit"
 _S2_STRIDES = "issue 12 §2: a non-contiguous saved view loads back contiguous, so replay on it is not bit-exact"
-_S2_OVERLOAD = "issue 12 §2: a torch.ops overload packet is saved under a mangled pybind name and loads opaque"
 _S3_VIEW = "issue 12 §3: an in-place write through a view is not a new version of its base"
 _S3_COMPILE = "issue 12 §3: torch.compile(dynamic=True) helper in the forward crashes the capture (unhashable 'slice')"
 
@@ -47,10 +46,6 @@ XFAIL: dict[tuple[str, str], str] = {
     ("compiled_submodule", "output_exact"): _S3_EAGER + " (gelu_1_3, ~3e-8)",
     ("compiled_submodule", "module_hooks"): _S3_EAGER + " (mid:1)",
     ("compiled_submodule", "ablation"): _S1_COMPILE + " (replayed gelu differs by ~7e-9 from the compiled run)",
-    ("tv_maskrcnn", "validate"): "issue 12 §1: perturbation_insensitive at clamp_10_461: the pooler's LevelMapper "
-                                 "clamps floor(level) to literal bounds and every box saturates (no rule for a "
-                                 "saturating literal bound yet)",
-    ("tv_maskrcnn", "save_load_validate"): _S2_OVERLOAD + " (torchvision::nms; cause not re-verified in round 3)",
 }
 
 _CASES: dict[str, Case] = {}

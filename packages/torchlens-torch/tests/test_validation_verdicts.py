@@ -455,3 +455,32 @@ def test_ops_of_a_compiled_region_compare_within_a_dtype_tolerance():
     assert trace.validate_forward_pass() is False
     assert trace.validation_replay_status.first_failure == pre.label
     assert trace.validation_replay_status.reason == "replay_mismatch"
+
+
+class _Saturated(torch.nn.Module):
+    """Mask R-CNN's level mapper in small: every box is below the lowest level, so the clamp
+    returns its literal lower bound whatever a small perturbation of its input does."""
+
+    def forward(self, x):
+        lvl = torch.floor(4 + torch.log2(x.abs() + 1e-3))      # small boxes: about -6
+        return torch.clamp(lvl, min=2, max=5) * 1.0
+
+
+def test_a_clamp_saturated_at_a_literal_bound_is_exempt_by_rule():
+    x = torch.full((1,), 1e-3)  # one box: every perturbation try stays below the bound
+    t = tl.trace(_Saturated(), x)
+    assert t.validate_forward_pass() is True
+    d = next(d for d in t.validation_replay_status.decisions if d.get("exemptions"))
+    assert d["exemptions"][0]["rule"] == "saturated_bound"
+    from torchlens.backends.codes import VALIDATION_EXEMPTIONS
+
+    assert "saturated_bound" in VALIDATION_EXEMPTIONS
+
+
+def test_a_clamp_that_ignores_its_input_still_fails():
+    x = torch.full((1,), 1e-3)  # one box: every perturbation try stays below the bound
+    t = tl.trace(_Saturated(), x)
+    op = next(o for o in t.ops if o.func_name == "clamp")
+    op.func = lambda inp, min=None, max=None: torch.full_like(inp, float(min))  # a capture defect: input ignored
+    assert t.validate_forward_pass() is False
+    assert t.validation_replay_status.reason == "perturbation_insensitive"

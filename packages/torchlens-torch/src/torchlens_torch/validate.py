@@ -343,6 +343,10 @@ class _Checker:
                            + (f" (probing {parent.label} with {moved_by} does move it)" if moved_by else
                               " (no probe moved it either)"),
                     "probe_moved": moved_by}
+        saturated = R.saturation_probe(op, v, got)
+        if saturated is not None and self.moves(op, {}, got, v, idx, [saturated[0]]):
+            return {"parent": parent.label, "rule": "saturated_bound",
+                    "why": f"{saturated[1]} ({op.label}); fed a value inside the bounds it does move"}
         rp = self.rp
         structural = R.structural_rule(op, *self._positions(op, idx))
         if structural is not None:

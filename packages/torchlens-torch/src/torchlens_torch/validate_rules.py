@@ -185,3 +185,54 @@ def structural_rule(op: Any, pos: int, shapes: list[tuple[int, ...] | None]) -> 
         if isinstance(dim, int) and -len(shapes[0]) <= dim < len(shapes[0]) and shapes[0][dim] == 1:
             return "size_one_softmax", f"a {name} over an axis of size 1 is constant whatever its input"
     return None
+
+
+#: clamp-like callables and where their literal bounds sit: name -> (lower, upper) as
+#: (position, keyword, default) triples (None: no such bound).
+_CLAMPS: dict[str, tuple[Any, Any]] = {
+    "clamp": ((1, "min", None), (2, "max", None)), "clamp_": ((1, "min", None), (2, "max", None)),
+    "clip": ((1, "min", None), (2, "max", None)), "clip_": ((1, "min", None), (2, "max", None)),
+    "clamp_min": ((1, "min", None), None), "clamp_min_": ((1, "min", None), None),
+    "clamp_max": (None, (1, "max", None)), "clamp_max_": (None, (1, "max", None)),
+    "hardtanh": ((1, "min_val", -1.0), (2, "max_val", 1.0)), "hardtanh_": ((1, "min_val", -1.0), (2, "max_val", 1.0)),
+    "relu": ((None, None, 0.0), None), "relu_": ((None, None, 0.0), None),
+    "relu6": ((None, None, 0.0), (None, None, 6.0)),
+}
+
+
+def _bound(op: Any, spec: Any) -> float | None:
+    if spec is None:
+        return None
+    pos, name, default = spec
+    value = default if pos is None else _arg(op, pos, name, default)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def saturation_probe(op: Any, v: torch.Tensor, got: tuple) -> tuple[torch.Tensor, str] | None:
+    """For a clamp-like op with literal bounds whose every output element sits on a bound
+    (its input saturated: Mask R-CNN's level mapper clamps every small box to the lowest
+    level), a probe input strictly inside the bounds, and why the parent cannot move the op.
+    The rule holds only if the op does move when fed the probe (checked by the caller), so a
+    callable that ignores its input still fails. None when the op is not such a clamp."""
+    spec = _CLAMPS.get(op.func_name)
+    out = got[0] if got else None
+    if spec is None or not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.numel() == 0:
+        return None
+    lo, hi = _bound(op, spec[0]), _bound(op, spec[1])
+    if lo is None and hi is None:
+        return None
+    o = out.detach()
+    on_lo = (o == lo) if lo is not None else torch.zeros_like(o, dtype=torch.bool)
+    on_hi = (o == hi) if hi is not None else torch.zeros_like(o, dtype=torch.bool)
+    if not bool((on_lo | on_hi).all()):
+        return None
+    if lo is not None and hi is not None:
+        inside = (lo + hi) / 2.0 if hi > lo else None
+    else:
+        inside = lo + 1.0 if lo is not None else hi - 1.0
+    if inside is None:
+        return None
+    bounds = ", ".join(f"{n}={b:g}" for n, b in (("min", lo), ("max", hi)) if b is not None)
+    return (torch.full_like(v.detach(), inside),
+            f"every element of its input lies beyond a literal bound ({bounds}), so the output is that bound "
+            "whatever a small perturbation does")

@@ -73,6 +73,8 @@ VALIDATION_EXEMPTIONS: dict[str, str] = {
                      "output; flipping the mask makes it move",
     "saturating_operand": "another operand holds the op where the parent cannot move the output; moving that "
                           "operand makes it move",
+    "saturated_bound": "a clamp-like op (clamp, clip, hardtanh, relu, relu6) whose every input element lies beyond "
+                       "a literal bound, so the output is that bound; fed a value inside the bounds it moves",
     "single_key_attention": "attention over a single key: the softmax weight is 1 whatever the query and key",
     "size_one_softmax": "a softmax over an axis of size 1 is constant whatever its input",
     "overwritten_receiver": "a *_scatter (a write through a view) whose source has as many elements as its receiver "
