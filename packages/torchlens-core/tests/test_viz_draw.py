@@ -424,3 +424,19 @@ def test_progress_is_off_when_not_interactive(blocks, capsys):
         set_progress(None)
     blocks.draw("p.dot", progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_node_title_has_room_under_it_for_underscores():
+    """At small sizes an underscore on the title's baseline merged into the next line
+    (`linear_1_1` read as `linear 1 1`): the title sits in its own cell, taller than its font."""
+    import re
+
+    from torchlens.viz import dot as D
+    from torchlens.viz.ir import RNode
+
+    node = RNode.__new__(RNode)
+    node.title, node.lines = "linear_1_1", ["linear", "2x4"]
+    label = D.node_label(node)
+    m = re.search(r'<TD CELLPADDING="0" HEIGHT="(\d+)" VALIGN="TOP"><B>linear_1_1</B></TD>', label)
+    assert m and int(m.group(1)) >= D.TITLE_PT + 2
+    assert label.index("linear_1_1") < label.index(">linear<") < label.index(">2x4<")

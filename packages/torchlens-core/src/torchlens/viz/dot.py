@@ -49,18 +49,27 @@ def _attrs(d: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: points of space under a node's title: an underscore sits on the title's baseline and, at
+#: small sizes, merges into the next line (`linear_1_1` reads as `linear 1 1`) without it.
+TITLE_GAP_PT = 3
+
+
 def node_label(node: "RNode") -> str:
-    body = f"<B>{esc(node.title)}</B>"
-    for line in node.lines:
-        body += f'<BR/><FONT POINT-SIZE="{LINE_PT}">{esc(line)}</FONT>'
-    return f"<{body}>"
+    """The node's HTML-like label: the bold title in its own cell, padded below so its
+    underscores stay visible at small sizes, then the detail lines."""
+    title = f'<TR><TD CELLPADDING="0" HEIGHT="{TITLE_PT + TITLE_GAP_PT}" VALIGN="TOP"><B>{esc(node.title)}</B></TD></TR>'
+    if not node.lines:
+        return f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">{title}</TABLE>>'
+    body = "<BR/>".join(f'<FONT POINT-SIZE="{LINE_PT}">{esc(line)}</FONT>' for line in node.lines)
+    return (f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">{title}'
+            f'<TR><TD CELLPADDING="0">{body}</TD></TR></TABLE>>')
 
 
 def label_size(node: "RNode") -> tuple[float, float]:
     """Estimated inches a node's label needs (width, height), margins included."""
     chars = max([len(node.title)] + [len(l) * LINE_PT / TITLE_PT for l in node.lines])
     w = chars * TITLE_PT * 0.6 / 72 + 0.2
-    h = (TITLE_PT + LINE_PT * len(node.lines)) * 1.25 / 72 + 0.16
+    h = (TITLE_PT + LINE_PT * len(node.lines)) * 1.25 / 72 + TITLE_GAP_PT / 72 + 0.16
     return w, h
 
 
