@@ -168,3 +168,21 @@ def test_a_recorded_callback_is_never_called_after_load(tmp_path):
         loaded.validate_forward_pass()
     assert info.value.code == OPAQUE
     assert not marker.exists()
+
+
+def test_prng_names_resolve_only_through_the_closed_table(monkeypatch):
+    """A PRNG implementation named by a file comes from the table copied from JAX's registry,
+    never from a module lookup made with the file's string."""
+    import importlib
+
+    from torchlens_jax import codec as C
+
+    table = C.prng_table()
+    assert "threefry2x32" in table
+    calls = []
+    real = importlib.import_module
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a, **k: calls.append(name) or real(name, *a, **k))
+    dec = C.JaxCodec().decode_literal
+    assert dec("jax.PRNGImpl", "threefry2x32") is table["threefry2x32"]
+    assert dec("jax.PRNGImpl", "os.system") is None and dec("jax.PRNGImpl", "__class__") is None
+    assert calls == []

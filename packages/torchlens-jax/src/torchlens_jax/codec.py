@@ -121,9 +121,7 @@ class JaxCodec:
                 and all(isinstance(s, tuple) and all(type(d) is int for d in s) for s in plain)):
             return lax.ConvDimensionNumbers(*plain)
         if kind == "jax.PRNGImpl" and isinstance(plain, str):
-            import importlib
-
-            return importlib.import_module("jax._src.random.prng").prngs.get(plain)
+            return prng_table().get(plain)
         if kind == "jax.lax.Precision" and isinstance(plain, str) and plain in lax.Precision.__members__:
             return lax.Precision[plain]
         return None
@@ -182,6 +180,22 @@ def _bad_meta(why: str, meta: Any) -> ArtifactError:
                          remedy="the artifact was modified or damaged; save it again", meta=repr(meta)[:200])
 
 
+_PRNG_TABLE: dict[str, Any] | None = None
+
+
+def prng_table() -> dict[str, Any]:
+    """The closed table of PRNG implementations a file may name: JAX's registered
+    `PRNGImpl` objects by name, copied once from its registry (a fixed import, never a
+    module or attribute named by the file)."""
+    global _PRNG_TABLE
+    if _PRNG_TABLE is None:
+        from jax._src.random import prng as _prng
+
+        _PRNG_TABLE = {name: impl for name, impl in dict(_prng.prngs).items()
+                       if type(name) is str and isinstance(impl, _prng.PRNGImpl)}
+    return _PRNG_TABLE
+
+
 def _check_meta(payload: EncodedPayload) -> None:
     meta = payload.meta
     if not isinstance(meta, dict) or not set(meta) <= _META_KEYS or not all(type(v) is str for v in meta.values()):
@@ -190,9 +204,7 @@ def _check_meta(payload: EncodedPayload) -> None:
         raise _bad_meta("names a PRNG implementation without a key shape (or the reverse)", meta)
     if "prng_impl" not in meta:
         return
-    import importlib
-
-    impl = importlib.import_module("jax._src.random.prng").prngs.get(meta["prng_impl"])
+    impl = prng_table().get(meta["prng_impl"])
     if impl is None:
         raise _bad_meta(f"names PRNG implementation {meta['prng_impl'][:40]!r}, which this jax lacks", meta)
     key_shape = ",".join(str(d) for d in payload.shape[:len(payload.shape) - len(impl.key_shape)])
