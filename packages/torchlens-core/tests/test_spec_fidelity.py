@@ -273,7 +273,7 @@ def test_hostile_trace_recipes_end_typed(mlp, tmp_path):
     import random
     import shutil
 
-    from torchlens.errors import TorchLensError
+    from torchlens.errors import ERROR_CODES, TorchLensError
     from torchlens.io.manifest import render
 
     model, x = mlp
@@ -287,6 +287,7 @@ def test_hostile_trace_recipes_end_typed(mlp, tmp_path):
         b = bytearray(body)
         b[rng.randrange(len(b))] = rng.randrange(256)
         edits.append(bytes(b))
+    outcomes: list[str] = []
     for i, data in enumerate(edits):
         case = tmp_path / f"c{i}.tlspec"
         shutil.copytree(src, case)
@@ -296,8 +297,14 @@ def test_hostile_trace_recipes_end_typed(mlp, tmp_path):
         (case / "manifest.json").write_bytes(render(m))
         try:
             tl.load(case)
-        except TorchLensError:
-            pass
+            outcomes.append("loaded")
+        except TorchLensError as exc:
+            assert exc.code in ERROR_CODES and exc.remedy, (i, exc)
+            outcomes.append(exc.code)
+    # the first four hand-made edits are malformed records (a wrong schema, a list, a truncation,
+    # a helper name outside the built-in set): each refuses with the recipe code, none loads
+    assert outcomes[:4] == ["recipe_record_malformed"] * 4, outcomes[:4]
+    assert outcomes.count("loaded") < len(outcomes)
 
 
 def test_a_trace_with_a_recipe_can_be_overwritten_and_validated(mlp, tmp_path):

@@ -75,6 +75,7 @@ def _refuses(path, marker):
         loaded.validate_forward_pass()
     assert info.value.code == OPAQUE and info.value.fields["label"] == "tanh_1_3"
     assert not marker.exists()
+    return loaded, info.value
 
 
 @pytest.mark.parametrize("name", [
@@ -91,7 +92,9 @@ def test_primitive_names_outside_the_table_load_opaque(art, tmp_path, name):
                                                          source=exec_source(marker)))
 
     rewrite_records(art, edit)
-    _refuses(art, marker)
+    loaded, err = _refuses(art, marker)
+    assert err.code == OPAQUE and err.fields["label"] == "tanh_1_3"
+    assert isinstance(loaded.ops["tanh_1_3"].func, CallablePlaceholder) and not marker.exists()
 
 
 @pytest.mark.parametrize("param", [
@@ -103,7 +106,9 @@ def test_primitive_names_outside_the_table_load_opaque(art, tmp_path, name):
 def test_primitive_params_holding_code_load_opaque(art, tmp_path, param):
     marker = tmp_path / MARKER_NAME
     rewrite_records(art, lambda t: _meta_entry(t, "tanh_1_3", "primitive_params", dct(accuracy=param)))
-    _refuses(art, marker)
+    loaded, err = _refuses(art, marker)
+    assert err.code == OPAQUE and err.fields["label"] == "tanh_1_3"
+    assert isinstance(loaded.ops["tanh_1_3"].func, CallablePlaceholder) and not marker.exists()
 
 
 def test_literal_params_never_decode_to_callables(art, tmp_path):

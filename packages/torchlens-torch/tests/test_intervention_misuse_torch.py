@@ -232,7 +232,9 @@ def test_pickled_trace_does_not_report_a_false_change():
         copy = pickle.loads(pickle.dumps(trace))
     except Exception as exc:  # pragma: no cover - a trace that cannot pickle has nothing to check
         pytest.skip(f"trace does not pickle here: {exc}")
-    copy.fork().do("relu_1_2", tl.scale(2.0))
+    fork = copy.fork().do("relu_1_2", tl.scale(2.0))  # an unpickled trace re-stamps its own tensors: no refusal
+    assert torch.equal(fork.ops["relu_1_2"].out, 2.0 * trace.ops["relu_1_2"].out)
+    assert fork.last_run["replayed_with_changed_params"] == []
 
 
 def test_validation_names_the_changed_parameter():
