@@ -7,7 +7,6 @@ code before the fix (noted per test).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -24,6 +23,7 @@ from torchlens.errors import (
     ValidationError,
 )
 from torchlens.options import CaptureOptions
+from torchlens_torch.real_zoo import DataclassOut
 
 
 def _quiet(fn, *a, **k):
@@ -266,20 +266,7 @@ def test_an_edit_that_changes_the_graph_downstream_keeps_the_edited_run():
 
 # dataclass returns ---------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class Out:
-    logits: torch.Tensor
-    hidden: torch.Tensor
-
-
-class DataclassOut(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = torch.tanh(self.enc(x))
-        return Out(self.head(h), h)
+# the model returning a @dataclass is the real-model zoo's `DataclassOut`
 
 
 def test_a_dataclass_return_is_a_container_of_outputs():

@@ -28,22 +28,16 @@ from torch import nn
 
 from torchlens.backends.sdk import ValidationStatus
 
+from torchlens_torch.values import iter_leaves
+
 #: at most this many module sites are edited by the intervention scope.
 MAX_SITES = 8
 _EDIT_FACTOR = 0.5  # exact in binary floating point: edit order cannot change a bit
 
 
-def _leaves(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Tensor leaves of nested tuples/lists/dicts (HF ModelOutput included), in order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth > 16:
-        return []
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _leaves(item, depth + 1)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _leaves(item, depth + 1)]
-    return []
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """Tensor leaves of a nested value, in the capture's own order (`values.iter_leaves`)."""
+    return [t for _, t in iter_leaves(obj, "")]
 
 
 def _replace_leaf(obj: Any, target: int, value: torch.Tensor, counter: list[int]) -> Any:
