@@ -3,7 +3,9 @@ and, when installed, TransformerLens `run_with_cache` and nnsight saving every b
 
 Models (random init, nothing downloaded):
 - GPT-2 small shape (12 layers, d_model 768, 12 heads, vocab 50257) at 128 tokens;
-- a ResNet-like CNN (ResNet-18 layout, BatchNorm, residual adds) on a 1x3x64x64 image.
+- a ResNet-like CNN (ResNet-18 layout, BatchNorm, residual adds) on a 1x3x64x64 image;
+- a MobileNet-style CNN (MobileNetV2 layout: depthwise convs, many small ops) on 1x3x64x64
+  (`--models mobilenet`; `benchmarks/per_op.py` times it next to the per-op floor).
 
 Every variant runs in the same process, interleaved (variant order rotates each round),
 and the table reports the median seconds and the ratio to the plain forward's median.
@@ -80,6 +82,49 @@ class ResNetLike(nn.Module):
         return self.fc(torch.flatten(self.pool(self.layers(self.stem(x))), 1))
 
 
+class InvertedResidual(nn.Module):
+    """MobileNetV2 block: 1x1 expand, 3x3 depthwise, 1x1 project (BatchNorm, ReLU6), residual
+    add when the shape allows."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)]
+        layers += [nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+                   nn.ReLU6(inplace=True), nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        return x + self.block(x) if self.residual else self.block(x)
+
+
+class MobileNetLike(nn.Module):
+    """MobileNetV2 layout at width 1.0 (17 inverted residual blocks, depthwise convs)."""
+
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
+                (6, 320, 1, 1))
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32),
+                                                 nn.ReLU6(inplace=True))]
+        cin = 32
+        for t, c, n, s in self.SETTINGS:
+            for i in range(n):
+                layers.append(InvertedResidual(cin, c, s if i == 0 else 1, t))
+                cin = c
+        layers.append(nn.Sequential(nn.Conv2d(cin, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6(inplace=True)))
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, classes))
+
+    def forward(self, x):
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
 def gpt2_small(tokens: int) -> tuple[nn.Module, torch.Tensor]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -92,6 +137,11 @@ def gpt2_small(tokens: int) -> tuple[nn.Module, torch.Tensor]:
 def resnet_like() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return ResNetLike().eval(), torch.randn(1, 3, 64, 64)
+
+
+def mobilenet_like() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return MobileNetLike().eval(), torch.randn(1, 3, 64, 64)
 
 
 # variants -------------------------------------------------------------------------------
@@ -166,7 +216,7 @@ def _peer_worker(python: str, model: str, tokens: int, rounds: int) -> dict[str,
 import json, statistics, sys, time, gc, torch
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 import capture as B
-m, x = B.gpt2_small({tokens}) if {model!r} == "gpt2" else B.resnet_like()
+m, x = B.gpt2_small({tokens}) if {model!r} == "gpt2" else (B.mobilenet_like() if {model!r} == "mobilenet" else B.resnet_like())
 fns = {{"plain forward": lambda: m(x)}}
 try:
     import torchlens
@@ -224,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
             variants.update(nnsight_variant(model, x))
             tl_variants = transformer_lens_variant(x)
             label = f"GPT-2 small shape, {args.tokens} tokens"
+        elif model_name == "mobilenet":
+            model, x = mobilenet_like()
+            variants = torchlens_variants(model, x)
+            tl_variants = {}
+            label = "MobileNet-style CNN (depthwise convs), 1x3x64x64"
         else:
             model, x = resnet_like()
             variants = torchlens_variants(model, x)

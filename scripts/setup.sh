@@ -24,7 +24,7 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "setup: chromium not found; install it for the notebook browser test (apt-get install chromium)" >&2
   fi
 fi
-MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference conformance"
+MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference packages/torchlens-mlx packages/torchlens-recipes-example conformance"
 stamp=.venv/.torchlens-setup
 want=$(cat constraints.txt requirements-dev.txt requirements-vision.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

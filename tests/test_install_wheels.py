@@ -121,3 +121,95 @@ def test_documented_install_lines_work_in_fresh_venvs(tmp_path):
         assert smoke.stdout.startswith("OK ") and str(venv) in smoke.stdout, smoke.stdout  # not the repo's copy
         version = _run([str(venv / "bin" / "torchlens"), "--version"]).stdout.strip()
         assert version == f"torchlens-core 0.1.0; plugins: torchlens-{extra} 0.1.0", version
+
+
+#: the fresh MLX environment: import torchlens alone imports no framework (checked in a
+#: separate interpreter, before mlx is imported), then a trace checked against MLX's own
+#: forward, drawn, saved, loaded and validated after load; torch and jax are absent.
+MLX_SMOKE = """
+import importlib.util, subprocess, sys, tempfile
+bare = subprocess.run([sys.executable, "-c", "import sys, torchlens; "
+                       "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'torch', 'jax')))"],
+                      capture_output=True, text=True, check=True).stdout.strip()
+assert bare == "[]", bare
+assert importlib.util.find_spec("torch") is None and importlib.util.find_spec("jax") is None
+import mlx.core as mx, mlx.nn as nn, numpy as np, torchlens as tl
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+mx.eval(model.parameters())
+x = mx.linspace(-1, 1, 12).reshape(3, 4)
+trace = tl.trace(model, x)
+names = [op.func_name for op in trace.ops if op.kind == "op"]
+assert names == ["transpose", "addmm", "maximum", "transpose", "addmm"], names
+relu = trace[tl.func("maximum")].first()
+np.testing.assert_array_equal(np.asarray(relu.out), np.asarray(mx.maximum(model.layers[0](x), 0)))
+np.testing.assert_array_equal(np.asarray(trace.output_ops[0].out), np.asarray(model(x)))
+assert tl.validate(model, x) is True
+with tempfile.TemporaryDirectory() as d:
+    trace.draw(f"{d}/mlp.svg")
+    assert open(f"{d}/mlp.svg").read().lstrip().startswith(("<svg", "<?xml")), "draw wrote no svg"
+    trace.save(f"{d}/mlp.tlens")
+    back = tl.load(f"{d}/mlp.tlens")
+    assert list(back.labels) == list(trace.labels)
+    np.testing.assert_array_equal(np.asarray(back[relu.label].out), np.asarray(relu.out))
+    status = tl.backends.get_protocol("mlx").validate(back, None)   # every op replayed on its loaded inputs
+    assert status.ok, status
+assert "torch" not in sys.modules and "jax" not in sys.modules
+print("OK", tl.__file__)
+"""
+
+
+def _build_member_wheel(member: str, out: Path, stage: Path) -> None:
+    """One member's wheel, built as scripts/build-wheels.sh builds each (from a copy of its
+    sources, without build isolation)."""
+    import shutil
+
+    src, dst = ROOT / member, stage / member.replace("/", "_")
+    top = {"build", "dist", "tests", "benchmarks"}               # excluded at the member's top level only
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        skip = {n for n in names if n.endswith(".egg-info") or n in ("__pycache__", ".pytest_cache")}
+        return skip | (top & set(names) if Path(folder) == src else set())
+
+    shutil.copytree(src, dst, ignore=ignore)
+    _run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_wheel(sys.argv[1])",
+          str(out)], cwd=dst)
+
+
+def _mlx_pin() -> str:
+    """The MLX requirement CI tests (requirements-dev.txt)."""
+    reqs = (ROOT / "requirements-dev.txt").read_text(encoding="utf-8").splitlines()
+    return next(ln.split("#", 1)[0].strip() for ln in reqs if ln.strip().startswith("mlx"))
+
+
+def test_mlx_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
+    """Issue 18: a fresh venv with only the torchlens-core and torchlens-mlx wheels plus MLX
+    (no torch, no jax) traces, draws, saves, loads and validates; `import torchlens` alone
+    imports no framework. Skips when the MLX wheels cannot be had (no cache, no index)."""
+    default_cache = ROOT / ".venv" / "wheel-cache" if (ROOT / ".venv").is_dir() else tmp_path / "wheel-cache"
+    cache = Path(os.environ.get("TORCHLENS_WHEEL_CACHE", default_cache))
+    cache.mkdir(parents=True, exist_ok=True)
+    pin = _mlx_pin()
+    download = [sys.executable, "-m", "pip", "download", "-q", "-c", str(ROOT / "constraints.txt"), "-d", str(cache)]
+    for extra in (["--no-index", "--find-links", str(cache)], []):   # offline first, then the index
+        got = subprocess.run([*download, *extra, pin, "numpy", "pluggy", "safetensors"],
+                             capture_output=True, text=True, timeout=600)
+        if got.returncode == 0:
+            break
+    else:
+        pytest.skip(f"cannot obtain {pin} wheels: {got.stderr.strip()[-300:]}")
+
+    wheelhouse, stage = tmp_path / "wheelhouse", tmp_path / "stage"
+    wheelhouse.mkdir()
+    stage.mkdir()
+    for member in ("packages/torchlens-core", "packages/torchlens-mlx"):
+        _build_member_wheel(member, wheelhouse, stage)
+    assert sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl")) == ["torchlens_core", "torchlens_mlx"]
+
+    venv = tmp_path / "venv-mlx"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
+          "--no-index", "--find-links", str(wheelhouse), "--find-links", str(cache), "torchlens-core", "torchlens-mlx"])
+    smoke = _run([str(venv / "bin" / "python"), "-c", MLX_SMOKE], cwd=tmp_path)
+    assert smoke.stdout.startswith("OK ") and str(venv) in smoke.stdout, smoke.stdout  # not the repo's copy
+    version = _run([str(venv / "bin" / "torchlens"), "--version"]).stdout.strip()
+    assert version == "torchlens-core 0.1.0; plugins: torchlens-mlx 0.1.0", version

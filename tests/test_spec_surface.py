@@ -21,9 +21,9 @@ BUILT = frozenset("""
 torchlens.Edit torchlens.Recipe torchlens.Selection torchlens.Selector torchlens.add torchlens.add_noise torchlens.all_sites
 torchlens.appliances.names torchlens.appliances.register torchlens.backends.BackendProtocol
 torchlens.backends.FrameworkRequirement torchlens.backends.REFUSAL_CODES torchlens.backends.VALIDATION_REASONS
-torchlens.backends.jax torchlens.backends.torch torchlens.clamp torchlens.clip_norm torchlens.errors.AmbiguousAxisError
+torchlens.backends.jax torchlens.backends.mlx torchlens.backends.torch torchlens.clamp torchlens.clip_norm torchlens.errors.AmbiguousAxisError
 torchlens.errors.AmbiguousOpLookupError torchlens.errors.ReentrantTraceError torchlens.export torchlens.export.safetensors
-torchlens.func torchlens.grad torchlens.in_module torchlens.intervention.BoundModel torchlens.intervention.Rule torchlens.intervention.compose
+torchlens.func torchlens.grad torchlens.in_module torchlens.intervention.BoundModel torchlens.intervention.Population torchlens.intervention.Rule torchlens.intervention.compose
 torchlens.intervention.keep_grad torchlens.intervention.scramble_elements torchlens.intervention.set_affine_coordinates
 torchlens.intervention.subspace_ablate torchlens.intervention.subspace_interchange torchlens.io.detect_tlspec_format
 torchlens.io.load_intervention_spec torchlens.io.read_safetensors torchlens.io.save_intervention torchlens.label
@@ -36,6 +36,18 @@ torchlens.types.Quantity torchlens.types.Bytes torchlens.types.Duration torchlen
 torchlens.units torchlens.validate
 torchlens.validation.validate_forward_pass torchlens.validation.validate_tlspec torchlens.viz.Drawing torchlens.when
 torchlens.where torchlens.zero_ablate
+torchlens.Bundle torchlens.bundle torchlens.types.Relationship torchlens.viz.contact_sheet
+torchlens.errors.quiet torchlens.types.TraceLike torchlens.fingerprint torchlens.fingerprint.assert_unchanged
+torchlens.facet torchlens.head torchlens.facets torchlens.facets.adding torchlens.facets.child_output_spec
+torchlens.facets.config_value torchlens.facets.describe torchlens.facets.enable_transformer_lens_aliases
+torchlens.facets.functions torchlens.facets.register torchlens.facets.reset torchlens.facets.transformer_lens_aliases_enabled
+torchlens.facets.coverage torchlens.facets.patching torchlens.facets.patching.activation_patch_attention_heads
+torchlens.facets.patching.attribution_patch_attention_heads
+torchlens.dataset_extraction.TokenRows torchlens.extract torchlens.extract_dataset torchlens.pluck torchlens.stats
+torchlens.stats.CKA torchlens.stats.Covariance torchlens.stats.CrossCovariance torchlens.stats.Histogram torchlens.stats.Mean
+torchlens.stats.Norm torchlens.stats.PCA torchlens.stats.Quantile torchlens.stats.RunningStats torchlens.stats.StreamingStat
+torchlens.stats.TopK torchlens.stats.UnitTopK torchlens.stats.aggregate torchlens.stats.cosine_distance
+torchlens.stats.load_fitted torchlens.stats.relative_l1 torchlens.stats.relative_l2 torchlens.stats.save_fitted
 """.split())
 
 

@@ -46,6 +46,10 @@ class CellFailure(AssertionError):
     pass
 
 
+class CellUnsupported(Exception):
+    """The backend declares False the capability a cell needs: `unsupported: <flag>`."""
+
+
 def check(cond: bool, detail: str) -> None:
     if not cond:
         raise CellFailure(detail)
@@ -271,9 +275,15 @@ def c1_rng_consumed_once(ctx: Context) -> Outcome:
 
 
 def c1_no_silent_gap(ctx: Context) -> Outcome:
+    counters = _op_counters(ctx)
     for entry in ctx.entries():
         t = ctx.trace(entry)
         check(t.provenance.verified, f"{entry.name}: capture not verified ({t.provenance.verification_reason})")
+        if entry.name in counters:  # the backend's independent counter of a plain forward's framework calls
+            if entry.reseed is not None:
+                entry.reseed()
+            want, got = counters[entry.name](entry.model, *entry.args, **entry.kwargs), sum(o.kind == "op" for o in t.ops)
+            check(want == got, f"{entry.name}: {got} ops recorded, the independent counter saw {want} framework calls")
         for op in t.ops:
             if op.kind == "op":
                 check(bool(op.parents) or not op.args_template or _literal_only(op),
@@ -281,6 +291,14 @@ def c1_no_silent_gap(ctx: Context) -> Outcome:
         for out in t.output_ops:
             check(bool(out.parents), f"{entry.name}: output {out.label} has no producer")
     return PASSED
+
+
+def _op_counters(ctx: Context) -> dict[str, Callable[..., int]]:
+    """Optional `count_ops(model, *args, **kwargs) -> int` of the backend's zoo entries: the
+    number of array-producing framework calls a plain forward makes, counted without the
+    capture (MLX supplies one; the zoo is re-read because `ZooEntry` does not carry it)."""
+    raw = ctx.spec.zoo() if getattr(ctx.spec, "zoo", None) is not None else {}
+    return {n: d["count_ops"] for n, d in raw.items() if isinstance(d, dict) and callable(d.get("count_ops"))}
 
 
 def _literal_only(op: Any) -> bool:
@@ -384,13 +402,227 @@ def c2_validation_after_load(ctx: Context) -> Outcome:
     return PASSED
 
 
+# tier 3: edits and gradients against each entry's hand-written forward ---------------------
+#
+# Each zoo entry supplies an `EditOracle` (`torchlens_conformance.zoo`): the model's computation
+# written by hand in framework code with a `tap(label, value)` at the op outputs it
+# reproduces. The cells edit one mid-graph op through `trace.fork().do(site, edit)` (the replay
+# engine) and compare with the hand forward edited at the same point; they never compare the
+# library with itself. Edit values are built on the host (numpy) and handed to both sides.
+
+#: allclose tolerance between an edited replay and the edited hand forward (issue 14: 1e-6).
+C3_RTOL = 1e-6
+C3_ATOL = 1e-6
+
+
+def _c3_oracles(ctx: Context, flag: str, need_grads: bool = False) -> tuple[list[tuple[ZooEntry, Any]], list[str]]:
+    """(entry, oracle) pairs to check and the named not-applicable entries. Fails on an
+    entry that supplies neither an oracle nor a reason, and when no entry supplies one."""
+    entries = ctx.entries()
+    if not ctx.proto.capabilities().as_dict()[flag]:
+        raise CellUnsupported(f"unsupported: {flag}")
+    pairs, not_applicable = [], []
+    for e in entries:
+        reason = getattr(e, "c3_not_applicable", None)
+        oracle = getattr(e, "c3", None)
+        check(getattr(e, "c3_error", None) is None, str(getattr(e, "c3_error", "")))
+        if reason:
+            not_applicable.append(f"{e.name} ({reason})")
+            continue
+        check(oracle is not None, f"{e.name}: the zoo entry supplies no c3 oracle and no not_applicable reason")
+        if need_grads and oracle.grads is None:
+            not_applicable.append(f"{e.name} (gradients: {oracle.grads_not_applicable})")
+            continue
+        pairs.append((e, oracle))
+    check(bool(pairs), "no zoo entry supplies a c3 oracle")
+    return pairs, not_applicable
+
+
+def _c3_detail(pairs: list, not_applicable: list[str], extra: str = "") -> Outcome:
+    text = f"{len(pairs)} entries checked ({', '.join(e.name for e, _ in pairs)})"
+    if extra:
+        text += f"; {extra}"
+    if not_applicable:
+        text += f"; not applicable ({len(not_applicable)}): " + "; ".join(not_applicable)
+    return Outcome("passed", text)
+
+
+def _hand_forward(ctx: Context, entry: ZooEntry, oracle: Any, edit: Callable[[Any], Any] | None,
+                  args: tuple | None = None, kwargs: dict | None = None) -> tuple[list[np.ndarray], Any]:
+    """The entry's hand forward (after its reseed) with `edit` applied at the site: its
+    output leaves on the host and the site's value before the edit (None: never reached)."""
+    seen: dict[str, Any] = {}
+
+    def tap(label: str, value: Any) -> Any:
+        if label != oracle.site:
+            return value
+        seen["site"] = value
+        return edit(value) if edit is not None else value
+
+    if entry.reseed is not None:
+        entry.reseed()
+    out = oracle.forward(tap, *(entry.args if args is None else args), **(entry.kwargs if kwargs is None else kwargs))
+    check("site" in seen, f"{entry.name}: the hand forward never reaches its site {oracle.site!r}")
+    return [ctx.host(v) for v in _leaves(ctx, out)], seen["site"]
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and bool(np.allclose(a, b, rtol=C3_RTOL, atol=C3_ATOL, equal_nan=True)))
+
+
+def _outputs(ctx: Context, t: Any) -> list[np.ndarray]:
+    return [ctx.host(o.out) for o in t.output_ops]
+
+
+def _captured_against_oracle(ctx: Context, entry: ZooEntry, oracle: Any) -> Any:
+    """Capture the entry and check the oracle is the model's computation: its site is an op
+    of the trace, and the unedited hand forward reproduces the site value and the outputs."""
+    t = ctx.trace(entry)
+    check(oracle.site in t.labels, f"{entry.name}: the oracle's site {oracle.site!r} is not an op of the trace")
+    clean, site_value = _hand_forward(ctx, entry, oracle, None)
+    check(_close(ctx.host(t.ops[oracle.site].out), ctx.host(site_value)),
+          f"{entry.name}: the hand forward's value at {oracle.site} differs from the captured one (oracle is wrong)")
+    got = _outputs(ctx, t)
+    check(len(got) == len(clean) and all(_close(a, b) for a, b in zip(got, clean)),
+          f"{entry.name}: the unedited hand forward differs from the captured outputs (oracle is wrong)")
+    return t
+
+
+def _host_edit(ctx: Context, fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[Any], Any]:
+    """A hand-forward edit: `fn` on the host copy, back as the framework's value."""
+    return lambda v: _like(ctx, v, fn(ctx.host(v)))
+
+
+def _edited_matches(ctx: Context, what: str, make: Callable[[Context, Any, Any], tuple[Any, Callable[[Any], Any]]]
+                    ) -> Outcome:
+    """For every oracle: fork the capture, apply the library edit the replay engine runs,
+    and compare every output with the hand forward under the matching hand edit."""
+    pairs, na = _c3_oracles(ctx, "interventions")
+    for entry, oracle in pairs:
+        t = _captured_against_oracle(ctx, entry, oracle)
+        before = _outputs(ctx, t)
+        library_edit, hand_edit = make(ctx, t.ops[oracle.site], oracle)
+        f = t.fork()
+        f.do(oracle.site, library_edit)
+        got = _outputs(ctx, f)
+        want, _ = _hand_forward(ctx, entry, oracle, hand_edit)
+        check(len(got) == len(want), f"{entry.name}: {len(got)} outputs after the edit, hand forward has {len(want)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            check(_close(g, w), f"{entry.name}: output {i} after {what} at {oracle.site} differs from the edited "
+                                f"hand forward")
+        check(all(_same(a, b) for a, b in zip(before, _outputs(ctx, t))),
+              f"{entry.name}: editing the fork changed the original trace's outputs")
+    return _c3_detail(pairs, na, f"site edited through trace.fork().do (replay), allclose {C3_ATOL:g}")
+
+
+def _replacement(h: np.ndarray) -> np.ndarray:
+    """A fixed value of the site's shape and dtype, unlike any activation."""
+    return (np.linspace(-2.0, 3.0, h.size).reshape(h.shape) if h.size else h).astype(h.dtype)
+
+
+def c3_edit_zero_matches_oracle(ctx: Context) -> Outcome:
+    return _edited_matches(ctx, "zero_ablate", lambda ctx, op, o: (
+        tl.intervention.zero_ablate(), _host_edit(ctx, np.zeros_like)))
+
+
+C3_SCALE = 2.5
+
+
+def c3_edit_scale_matches_oracle(ctx: Context) -> Outcome:
+    return _edited_matches(ctx, f"scale({C3_SCALE})", lambda ctx, op, o: (
+        tl.intervention.scale(C3_SCALE), _host_edit(ctx, lambda h: (h * np.asarray(C3_SCALE, h.dtype)).astype(h.dtype))))
+
+
+def c3_edit_replace_matches_oracle(ctx: Context) -> Outcome:
+    def make(ctx: Context, op: Any, o: Any) -> tuple[Any, Callable[[Any], Any]]:
+        value = _like(ctx, op.out, _replacement(ctx.host(op.out)))
+        return tl.intervention.replace_with(value), _host_edit(ctx, _replacement)
+    return _edited_matches(ctx, "replace_with", make)
+
+
+def c3_patch_from_matches_oracle(ctx: Context) -> Outcome:
+    """`patch_from` a donor trace captured on the oracle's other inputs equals the hand
+    forward with the site set to the hand forward's own value on those inputs."""
+    pairs, na = _c3_oracles(ctx, "interventions")
+    for entry, oracle in pairs:
+        t = _captured_against_oracle(ctx, entry, oracle)
+        donor_entry = dataclasses.replace(entry, args=oracle.other_args, kwargs=oracle.other_kwargs)
+        donor = ctx.trace(donor_entry)
+        _, donor_site = _hand_forward(ctx, entry, oracle, None, oracle.other_args, oracle.other_kwargs)
+        donor_host = ctx.host(donor_site)
+        check(not _same(donor_host, ctx.host(t.ops[oracle.site].out)),
+              f"{entry.name}: the other inputs give the same value at {oracle.site}; patching would prove nothing")
+        f = t.fork()
+        f.do(oracle.site, tl.intervention.patch_from(donor))
+        want, _ = _hand_forward(ctx, entry, oracle, _host_edit(ctx, lambda h: donor_host))
+        got = _outputs(ctx, f)
+        check(len(got) == len(want) and all(_close(g, w) for g, w in zip(got, want)),
+              f"{entry.name}: patch_from at {oracle.site} differs from the hand forward with the donor's value")
+    return _c3_detail(pairs, na, "donor traced on the oracle's other inputs")
+
+
+def c3_noop_edit_bit_exact(ctx: Context) -> Outcome:
+    """scale(1.0) and patching the site from the trace itself replay to the captured outputs,
+    bit for bit."""
+    pairs, na = _c3_oracles(ctx, "interventions")
+    for entry, oracle in pairs:
+        t = ctx.trace(entry)
+        check(oracle.site in t.labels, f"{entry.name}: the oracle's site {oracle.site!r} is not an op of the trace")
+        before = _outputs(ctx, t)
+        for name, edit in (("scale(1.0)", tl.intervention.scale(1.0)), ("patch_from(itself)", tl.intervention.patch_from(t))):
+            f = t.fork()
+            f.do(oracle.site, edit)
+            got = _outputs(ctx, f)
+            check(len(got) == len(before) and all(_same(a, b) for a, b in zip(before, got)),
+                  f"{entry.name}: the no-op edit {name} at {oracle.site} changed the outputs")
+            run = f.last_run or {}
+            check(run.get("engine") == "replay" and oracle.site in run.get("origins", ()),
+                  f"{entry.name}: the no-op edit {name} at {oracle.site} did not run the replay engine")
+    return _c3_detail(pairs, na, "scale(1.0) and patch_from(itself)")
+
+
+def c3_grads_match_autodiff(ctx: Context) -> Outcome:
+    """With backward_ready and save_grads, every op gradient the hand forward taps equals the
+    framework's own autodiff of the hand forward; the count of saved gradients left untapped
+    is named."""
+    pairs, na = _c3_oracles(ctx, "backward_capture", need_grads=True)
+    compared = saved = 0
+    complete = []
+    for entry, oracle in pairs:
+        t = ctx.trace(entry, capture=tl.CaptureOptions(backward_ready=True, save_grads=True))
+        oracle.backward(t, oracle.loss)
+        if entry.reseed is not None:
+            entry.reseed()
+        want = oracle.grads(oracle.loss, *entry.args, **entry.kwargs)
+        check(oracle.site in want, f"{entry.name}: the gradient oracle does not tap the site {oracle.site!r}")
+        have = {o.label for o in t.ops if o.has_grad}
+        saved += len(have)
+        for label, g in want.items():
+            check(label in t.labels, f"{entry.name}: the gradient oracle taps {label!r}, not an op of the trace")
+            check(label in have, f"{entry.name}: autodiff gives {label} a gradient but the trace saved none")
+            op = t.ops[label]
+            check(not op.multi_output, f"{entry.name}: the gradient oracle taps the multi-output op {label}")
+            check(_close(ctx.host(op.grad), ctx.host(g)), f"{entry.name}: the saved gradient of {label} differs from "
+                                                          "autodiff of the hand forward")
+            compared += 1
+        if have <= set(want):
+            complete.append(entry.name)
+    return _c3_detail(pairs, na, f"{compared} of {saved} saved op gradients compared with autodiff; every saved "
+                                 f"gradient compared for {', '.join(complete) or 'no entry'}")
+
+
+C3_CELLS = (c3_edit_zero_matches_oracle, c3_edit_scale_matches_oracle, c3_edit_replace_matches_oracle,
+            c3_patch_from_matches_oracle, c3_noop_edit_bit_exact, c3_grads_match_autodiff)
+
+
 BASE_CELLS: dict[str, Callable[[Context], Outcome]] = {
     f.__name__: f for f in (
         c0_protocol_complete, c0_framework_requirement_consistent, c0_refusal_codes_registered,
         c0_capability_table_complete,
         c1_graph_integrity, c1_intermediates_match, c1_shape_metadata_matches_payload, c1_validation_passes,
         c1_validation_names_reason, c1_constant_parents_recorded, c1_rng_consumed_once, c1_no_silent_gap,
-        c2_payload_values_equal, c2_validation_after_load,
+        c2_payload_values_equal, c2_validation_after_load, *C3_CELLS,
     )
 }
 
@@ -420,6 +652,8 @@ def run_cell(ctx: Context, cell: Callable[[Context], Outcome]) -> Outcome:
         return cell(ctx)
     except CellFailure as exc:
         return Outcome("failed", str(exc))
+    except CellUnsupported as exc:
+        return Outcome("unsupported", str(exc))
     except BackendUnsupportedError as exc:
         return Outcome("unsupported", f"refused: {exc.code}")
     except Exception as exc:  # an untyped exception is a failure, named

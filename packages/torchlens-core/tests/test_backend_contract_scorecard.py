@@ -55,8 +55,28 @@ def test_jax_scorecard_no_longer_reads_as_everything_supported():
     rec = shipped_records()["jax"]
     assert rec["cell_counts"]["failed"] == 0
     assert rec["coverage"]["supported"] < rec["coverage"]["total"]
-    assert "interventions" in rec["coverage"]["unsupported"]
-    assert {"backward_capture", "rng_replay", "validation_replay"} <= set(rec["coverage"]["supported_capabilities"])
+    assert {"fastlog", "streaming"} <= set(rec["coverage"]["unsupported"])
+    assert {"backward_capture", "interventions", "rng_replay", "validation_replay"} <= set(
+        rec["coverage"]["supported_capabilities"])
+
+
+C3_CELLS = {"c3_edit_zero_matches_oracle", "c3_edit_scale_matches_oracle", "c3_edit_replace_matches_oracle",
+            "c3_patch_from_matches_oracle", "c3_noop_edit_bit_exact", "c3_grads_match_autodiff"}
+
+
+def test_torch_and_jax_records_include_the_c3_cells_passing():
+    """Issue 14 acceptance: the shipped torch and jax records carry the tier-3 cells, passed
+    (both declare interventions and backward_capture); `--check` keeps them true."""
+    records = shipped_records()
+    for name in ("torch", "jax"):
+        cells = records[name]["cells"]
+        assert C3_CELLS <= set(cells), f"{name}: run the scorecard --write"
+        bad = {c: cells[c] for c in C3_CELLS if cells[c]["outcome"] != "passed"}
+        assert not bad, f"{name}: {bad}"
+        assert records[name]["highest_tier"] == 3
+    ref = records["reference"]["cells"]  # no autodiff: unsupported by capability, not passed or failed
+    assert ref["c3_grads_match_autodiff"] == {"outcome": "unsupported", "detail": "unsupported: backward_capture"}
+    assert all(ref[c]["outcome"] == "passed" for c in C3_CELLS - {"c3_grads_match_autodiff"})
 
 
 def test_doctor_shows_capability_coverage():
@@ -79,6 +99,8 @@ def test_docs_capability_table_matches_the_shipped_records():
         assert f"`{name}`" in table
     jax_col = table.splitlines()[0].split(" | ").index("`jax`")
     row = next(line for line in table.splitlines() if line.startswith("| `interventions`"))
+    assert row.split(" | ")[jax_col] == "yes"
+    row = next(line for line in table.splitlines() if line.startswith("| `fastlog`"))
     assert row.split(" | ")[jax_col] == "no"
 
 

@@ -320,7 +320,7 @@ def test_show_containers(blocks):
 
 def test_overrides(blocks):
     d = blocks.draw("o.dot", graph_overrides={"ranksep": 0.9}, node_overrides={"add_1_10": {"color": "red"}},
-                    edge_overrides={("add_2_14", "layer_norm_2_15"): {"penwidth": 3}})
+                    edge_overrides={("add_2_14", "layernorm_2_15"): {"penwidth": 3}})
     text = str(d)
     assert "ranksep=0.9" in text and 'color="red"' in text and "penwidth=3" in text
     with pytest.raises(InvalidArgumentError):

@@ -118,7 +118,7 @@ def test_html_reprs(blocks):
     op = blocks.ops["linear_1_3"]
     ohtml = op._repr_html_()
     value = np.asarray(op.out).reshape(-1)[0]
-    assert f"{value:.4g}" in ohtml and "self:1 &gt; blocks.0:1" in ohtml and "layer_norm_1_2" in ohtml
+    assert f"{value:.4g}" in ohtml and "self:1 &gt; blocks.0:1" in ohtml and "layernorm_1_2" in ohtml
     assert "1x4x8" in ohtml and "float32" in ohtml
     lhtml = example_trace("loop").layers["linear_1_2"]._repr_html_()
     assert "pass 3" in lhtml and "cell.ih" in lhtml

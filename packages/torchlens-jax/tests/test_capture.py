@@ -47,7 +47,7 @@ def test_nnx_mlp_records_modules_params_and_calls():
 
 def test_loop_reusing_one_layer_groups_into_passes():
     t = tl.trace(Z.LoopNet(steps=3), X)
-    layer = t.layers["dot_general_1_1"]
+    layer = t.layers["dotgeneral_1_1"]
     assert layer.num_passes == 3
     assert [o.module_calls[-1] for o in layer.ops] == ["fc:1", "fc:2", "fc:3"]
     assert [c.label for c in t.module_calls if c.address == "fc"] == ["fc:1", "fc:2", "fc:3"]

@@ -28,16 +28,19 @@ def _quiet():
 
 def test_a_set_only_gradient_rule_is_never_silently_left_out_of_backward(mlp):
     model, x = mlp
-    t = tl.trace(model, x, capture=tl.CaptureOptions(backward_ready=True, save_grads=True))
+    t = tl.trace(model, x, capture=tl.CaptureOptions(backward_ready=True, save_grads=True,
+                                                           detach_saved_activations=True))  # no live graph to arm
     t.do(tl.grad("relu_1_2"), tl.zero_ablate(), intervention=tl.InterventionOptions(engine="set_only"))
-    assert t.intervention_audit[-1]["armed_for"] == "next_rerun"
+    assert t.intervention_audit[-1]["armed_for"] == "trace_backward_pending"  # backward_ready: backward tries to arm it
     with pytest.raises(InterventionError) as info:
         t.backward(t.output.sum())
     assert info.value.code == "backward_armed_edit_unapplied"
     assert t.ops["linear_1_1"].grads is None  # nothing ran
     # the rerun applies it: the gradient reaching linear_1_1 through a zeroed relu gradient is zero
-    t.do(tl.grad("relu_1_2"), tl.scale(1.0), model=model, inputs=x, loss=lambda r: r.output_ops[0].out.sum())
-    assert torch.equal(t.ops["linear_1_1"].grad, torch.zeros(2, 5))
+    t2 = tl.trace(model, x, capture=tl.CaptureOptions(backward_ready=True, save_grads=True))
+    t2.do(tl.grad("relu_1_2"), tl.zero_ablate(), intervention=tl.InterventionOptions(engine="set_only"))
+    t2.do(tl.grad("relu_1_2"), tl.scale(1.0), model=model, inputs=x, loss=lambda r: r.output_ops[0].out.sum())
+    assert torch.equal(t2.ops["linear_1_1"].grad, torch.zeros(2, 5))
 
 
 def test_armed_gradient_rules_are_saved_with_their_count(mlp, tmp_path):

@@ -11,6 +11,7 @@ from typing import Any
 
 from torchlens import errors, options
 from torchlens import _wiring  # noqa: F401  (binds the records' ports to the layers above)
+
 from torchlens.capture import trace
 from torchlens.check import validate
 from torchlens.intervention import (
@@ -39,6 +40,7 @@ from torchlens.intervention import (
 from torchlens.options import CaptureOptions, InterventionOptions
 from torchlens.plugins.hookspecs import hookimpl
 from torchlens.records import Buffer, Layer, Module, ModuleCall, Op, Param, Trace
+from torchlens.select.facet import facet, head
 from torchlens.select import (
     Selection,
     Selector,
@@ -70,7 +72,17 @@ _LAZY = {
     "export": "torchlens.export",
     "types": "torchlens.types",
     "validation": "torchlens.validation",
+    "facets": "torchlens.facets",
+    "lens": "torchlens.lens",
+    "bundle": "torchlens.bundle",
+    "fingerprint": "torchlens.fingerprint",
+    "stats": "torchlens.stats",  # issue 23
+    "dataset_extraction": "torchlens.dataset_extraction",  # issue 23
 }
+#: public classes that load their module on first use: name -> (module, attribute)
+_LAZY_ATTRS = {"Bundle": ("torchlens.bundle", "Bundle")}
+_LAZY_ATTRS.update({  # issue 23: extraction helpers
+    n: ("torchlens.dataset_extraction", n) for n in ("pluck", "extract", "extract_dataset", "LoadedExtraction", "ExtractionReader")})
 
 
 def load(path: Any, lazy: bool = False) -> Any:
@@ -79,12 +91,25 @@ def load(path: Any, lazy: bool = False) -> Any:
     Payloads are read into memory and verified before it returns (files are never mapped);
     `lazy=True` is accepted for compatibility and loads the same way.
     Every refusal is a typed `TorchLensError`; see `tl.io.artifact`."""
+    from torchlens.dataset_extraction.shards import is_extraction_dir
+
+    if is_extraction_dir(path):  # issue 23: an extract_dataset directory -> LoadedExtraction
+        from torchlens.dataset_extraction.reader import load_extraction
+
+        return load_extraction(path)
     from torchlens.io.artifact import load_artifact
 
     return load_artifact(path, lazy=lazy)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY_ATTRS:
+        import importlib
+
+        mod_name, attr = _LAZY_ATTRS[name]
+        value = getattr(importlib.import_module(mod_name), attr)
+        globals()[name] = value
+        return value
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'torchlens' has no attribute {name!r}")
@@ -101,5 +126,5 @@ __all__ = [
     "patch_from", "swap_with", "subspace", "units", "sweep", "positions", "Edit", "splice_module", "errors", "options", "hookimpl",
     "Trace", "Op", "Layer", "Module", "ModuleCall", "Param", "Buffer",
     "Selection", "Selector", "func", "grad", "module", "in_module", "label", "label_contains", "label_matches", "where",
-    "model_input", "model_output", "all_sites", "__version__",
+    "model_input", "model_output", "all_sites", "__version__", "facet", "head", "Bundle",
 ]

@@ -20,6 +20,22 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
     backend; by default the first registered backend whose framework is already imported
     and that says it can handle `model` is used.
     """
+    import gc
+
+    # The cyclic collector is paused for the whole call (capture, build, stamps): a capture
+    # allocates many small objects and the collector would otherwise walk them repeatedly.
+    # Reference counting still frees everything acyclic; a caller's disabled collector stays off.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _trace(model, args, save, capture, backend, input_kwargs, trace_options)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _trace(model: Any, args: tuple, save: Any, capture: CaptureOptions | None, backend: str | None,
+           input_kwargs: dict[str, Any] | None, trace_options: dict[str, Any]) -> Any:
     from torchlens.backends.registry import select_backend
 
     _refuse_class(model)
@@ -39,6 +55,16 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
     proto = select_backend(model, args, kwargs, backend)
     intervene = trace_options.pop("intervene", None)
     on_zero_fire = trace_options.pop("on_zero_fire", "warn")
+    facets = trace_options.pop("facets", None)  # recipes only this trace sees (issue 15); the backend never sees it
+    if facets is not None and not isinstance(facets, (list, tuple)):
+        from torchlens.errors import FacetError
+
+        raise FacetError("facet_registration_invalid", f"facets= takes a list of recipes, not {type(facets).__name__}",
+                         remedy="facets=[my_recipe]")
+    if facets:
+        from torchlens.facets.registry import snapshot
+
+        snapshot(facets)  # a bad recipe refuses before the model runs
     check_requested_capabilities(proto, capture, {**trace_options, **({"intervene": intervene} if intervene is not None else {})},
                                  live_interventions=True, model=model)
     _state.active = True
@@ -64,7 +90,21 @@ def trace(model: Any, *args: Any, save: Any = "all", capture: CaptureOptions | N
 
     check_saved_matches(result, save, proto.name)
     check_save_budget(result, capture)
+    _stamp_identity(result, proto, args, kwargs)
+    from torchlens.facets.registry import stamp  # the trace's immutable facet-registry snapshot (loads no recipe)
+
+    stamp(result, facets)
     return result
+
+
+def _stamp_identity(result: Any, proto: Any, args: tuple, kwargs: dict) -> None:
+    """Provenance identity facts (fingerprint, input signature, lazy full parameter hash)."""
+    from torchlens.replay.params import changed_params
+    from torchlens.records.identity import stamp_identity
+    from torchlens.records.trace import Trace
+
+    if isinstance(result, Trace):
+        stamp_identity(result, proto, args, kwargs, changed_params)
 
 
 def _refuse_class(model: Any) -> None:
@@ -122,11 +162,12 @@ def check_save_budget(result: Any, capture: CaptureOptions | None) -> None:
 
 
 #: Keywords core itself handles for every backend (intervene= needs the interventions capability).
-CORE_TRACE_OPTIONS: tuple[str, ...] = ("intervene", "on_zero_fire")
+CORE_TRACE_OPTIONS: tuple[str, ...] = ("intervene", "on_zero_fire", "facets")
 
 #: Entry-point keywords of tl.trace a backend declares in trace_options() or refuses.
+#: (`facets=` is not one: core handles it for every backend, see `trace`.)
 PUBLIC_TRACE_OPTIONS: tuple[str, ...] = (
-    "stop_after", "storage", "narrate", "episode", "facets", "chunk_paths", "input_shape",
+    "stop_after", "storage", "narrate", "episode", "chunk_paths", "input_shape",
     "structure_only", "fastlog", "grad_options", "replay_rng", "materialize_payloads",
 )
 

@@ -126,6 +126,18 @@ class TraceMutationWarning(UserWarning):
     """A root trace (not a fork) was edited in place; warned once per root trace."""
 
 
+def quiet() -> None:
+    """Quiet `TraceMutationWarning` for the rest of the session (spec glossary l. 317):
+    installs an `ignore` filter for it in the `warnings` module, so a
+    `warnings.catch_warnings()` block that restores the filters ends it too."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=TraceMutationWarning)
+
+
+__all__ += ["quiet"]
+
+
 class ValidationError(TorchLensError):
     """Validation could not run (not: validation ran and found a mismatch)."""
 
@@ -478,6 +490,213 @@ _register("ArtifactError", {
 _register("InterventionError", {
     "rerun_entry_point_unsupported": "the rerun engine cannot rerun a capture rooted at a bound method "
                                      "(provenance.root_entry_point 'bound_method:...'); replay is unaffected",
+})
+
+
+# --- area: spec fidelity round 4 (issue 13 leftovers: provenance identity, tl.fingerprint) ---
+class FingerprintMismatchError(TorchLensError, AssertionError):
+    """`tl.fingerprint.assert_unchanged`: the model's structural hash is not the pinned one
+    (an AssertionError too, so test runners report it as a failed assertion)."""
+
+
+_register("FingerprintMismatchError", {
+    "fingerprint_changed": "the model's address-free structural hash (trace.provenance.fingerprint) differs from the "
+                           "pinned one: an op, its order, a dataflow edge, an output shape or dtype, or an owning "
+                           "module class changed",
+})
+__all__ += ["FingerprintMismatchError"]
+
+# --- area: spec fidelity round 4 S2 (issue 13 leftovers: Population, subspace partial axis, rerun refusals) ---
+class ReplayFrontierWarning(TorchLensError, UserWarning):
+    """A warning, not raised: a keep_grad edit kept the graph of a differentiable replay, whose
+    gradients stop at the replay frontier (the edited site). Carries `code`, `fields`, `remedy`."""
+
+
+__all__ += ["ReplayFrontierWarning"]
+
+_register("ReplayFrontierWarning", {
+    "keep_grad_replay_frontier": "warning (once per session): a keep_grad edit passed its check under differentiable "
+                                 "replay; parameters upstream of the replay frontier get no gradient (the live path "
+                                 "tl.when(site, keep_grad(edit)).bind(model)(x) reaches them)",
+})
+_register("InterventionError", {
+    "subspace_projection_partial_axis": "tl.subspace(tl.units(site, mask), basis): at some position the mask covers "
+                                        "only part of the features the basis touches (a units-restricted subspace "
+                                        "picks whole positions)",
+    "rerun_selector_unmatchable_live": "a rerun edit's selector matches sites of the rerun's graph but fired at none "
+                                       "of them live (an input, an output or a __setitem__ op no live hook can "
+                                       "edit); raised whatever on_zero_fire says, the trace unchanged",
+    "bind_lazy_output": "a bound call returned an async lazy output (coroutine, awaitable, async generator or "
+                        "iterator), which the bound executor cannot keep steered",
+})
+_register("SelectorCompositionError", {
+    "grad_facet_unsupported": "tl.grad over a facet or head selector (tl.facet, tl.head, or a composition holding "
+                              "one): a facet slice has no gradient site of its own",
+})
+
+# --- area: bundles (issue 25: tl.Bundle, the comparison gate, metrics, diff drawings) ---
+class BundleError(TorchLensError):
+    """A Bundle read or edit that cannot be answered: members that do not align, a guarded
+    parameter read, an unknown stored comparison."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """A keyword or argument a verb does not take (in this form)."""
+
+
+__all__ += ["BundleError", "ArgumentTypeError"]
+_register("InvalidArgumentError", {
+    "bundle_member_invalid": "a Bundle member is not a Trace, or its name is not a non-empty string",
+    "bundle_member_exists": "Bundle.add was given a name the bundle already holds",
+    "bundle_baseline_unknown": "baseline= names no member of the bundle",
+    "bundle_site_unresolved": "Bundle.at(site) / compare(on=) could not resolve the site in every member",
+    "metric_invalid": "metric= is not a known output-difference metric name or a callable",
+    "metric_size_mismatch": "an output-difference metric was given two values with different element counts",
+    "bundle_show_kind_invalid": "bundle.show(kind=...) is not None, 'graph', 'strip', 'repr' or 'html'",
+    "bundle_draw_option_invalid": "a Bundle.draw option (graph=, members=, metric=) has a value outside its vocabulary",
+    "bundle_vary_mapping_invalid": "Bundle.vary was given a mapping that does not cover every member (or names others)",
+})
+_register("ArgumentTypeError", {
+    "bundle_draw_keyword_unsupported": "Bundle.draw got a keyword its renderer does not support (in this graph mode)",
+})
+_register("BundleError", {
+    "bundle_gate_param_shapes": "comparison gate: the two members' models do not share parameter addresses, shapes "
+                                "and dtypes (the same_param_shapes floor)",
+    "bundle_gate_ordered": "comparison gate: a directed path of ordering relation rows joins the two members",
+    "bundle_gate_graph_mismatch": "comparison gate: the members' graph-shape hashes differ and their inputs are not "
+                                  "proven equal, so their sites do not line up",
+    "comparison_unknown": "Bundle.stored_comparison was asked for a name never stored",
+    "checkpoint_series_live_params": "a cross-member parameter value read on a Bundle whose members carry no "
+                                     "capture-time parameter snapshot (only live references)",
+    "checkpoint_snapshot_stale": "snapshot_params: a parameter changed since the trace was captured, so its current "
+                                 "value is not capture-time evidence",
+    "vary_partial_failure": "Bundle.vary failed on a member after earlier members were changed (fields: completed)",
+    "bundle_relation_schema_invalid": "a relation row's kind, members or params are malformed",
+    "bundle_relation_member_missing": "a relation row names a member the bundle does not hold",
+    "bundle_relation_evidence_over_budget": "a relation row's evidence is larger than 1 MiB (as JSON)",
+    "bundle_relation_span_out_of_bounds": "a fed_by token span reaches past the end of a member's bound token stream",
+})
+_register("ArtifactError", {
+    "bundle_artifact_malformed": "a saved bundle's manifest.json or relations.json is malformed or does not match "
+                                 "its recorded digest",
+})
+
+
+# --- area: facets (issue 15: named views, recipes, facet edits) ---
+class FacetError(TorchLensError, ValueError):
+    """A facet spec, recipe, registration or facet edit that has no meaning; nothing was mutated."""
+
+
+class FacetLookupError(TorchLensError, KeyError):
+    """A facet name the module does not have now (unknown, or structurally absent): a KeyError."""
+
+    __str__ = TorchLensError.__str__
+
+
+class MissingFacetError(FacetLookupError):
+    """A declared facet whose inputs the capture did not keep; the remedy names what to save."""
+
+
+class FacetWarning(TorchLensError, UserWarning):
+    """A warning, not raised: two recipes of one specificity tier and source declare the same
+    facet for a module (the later registration wins), or a facet selector fans out."""
+
+
+class LogitLensError(TorchLensError, ValueError):
+    """The logit lens cannot project faithfully: no head, or a reconstruction that does not
+    reproduce the captured logits on the last layer (experimental)."""
+
+
+__all__ += ["FacetError", "FacetLookupError", "MissingFacetError", "FacetWarning", "LogitLensError"]
+_register("LogitLensError", {
+    "logit_lens_head_unavailable": "no language-model head recipe (with a structurally found final norm) matched "
+                                   "the trace, or several did",
+    "logit_lens_verification_failed": "the reconstructed final norm + unembedding applied to the last block's "
+                                      "facet does not reproduce the captured logits (pass verify=False to trust it)",
+    "logit_lens_facet_unavailable": "no module provides the projected facet (facet=), or modules= names one without it",
+    "logit_lens_mask_input_unavailable": "mask_input=True needs the trace's first input to be a saved integer "
+                                         "token-id tensor",
+})
+_register("FacetWarning", {
+    "facet_recipe_collision": "two same-tier recipes declare one facet name for a module; the later one is used",
+    "facet_selector_fanout": "an unscoped facet selector writes several sites (fields: site_count)",
+    "facet_plugin_recipe_invalid": "a plugin's torchlens_facet_recipes hook returned a non-recipe object (skipped)",
+})
+_register("FacetLookupError", {
+    "facet_unknown": "no structural output or recipe of this module declares the facet name",
+    "facet_structurally_absent": "a recipe declares the facet but this module's structure has no such value "
+                                 "(e.g. resid_mid on a parallel-residual block)",
+})
+_register("SelectorCompositionError", {
+    "facet_selector_unsupported": "a facet selector was resolved as plain sites (trace[...], find_sites, a "
+                                  "composite): it names a facet slice, usable only as a do() site",
+    "selector_module_facet_scope_conflict": "a facet selector already scoped to one module was scoped to another",
+})
+_register("MissingFacetError", {
+    "facet_needs_capture": "a declared facet's inputs were not kept by this capture (save=, save_args=, RNG)",
+})
+_register("FacetError", {
+    "facet_spec_invalid": "a FacetSpec was built with an unknown home kind or an incomplete primitive chain",
+    "facet_transform_invalid": "a transform primitive does not fit the home value's shape (heads, split, dims)",
+    "facet_index_out_of_range": "a head, section or select index is outside the facet's dimension",
+    "facet_module_multi_call": "module.facets on a module called more than once: choose module.calls[n].facets",
+    "facet_recipe_invalid": "a recipe returned something other than a mapping of names to FacetSpec (or None)",
+    "facet_registration_invalid": "tl.facets.register got no class_name/class_qualname/predicate or a bad recipe",
+    "facet_config_missing": "tl.facets.config_value found none of the named attributes on the module record",
+    "facet_not_attention": "a head selector or attention facet was asked of a module no attention recipe matches",
+    "facet_write_refused": "a facet edit on a computed, aliasing, non-op-home or non-raw facet (read-only)",
+    "facet_write_overlap": "two facet edits on one home op write overlapping regions",
+    "facet_grad_unavailable": "a MissingGrad sentinel was used as a tensor: the facet has no saved gradient",
+    "facet_child_unknown": "child_output_spec/parameter_spec named no child module or parameter of the module",
+    "facet_reconstruction_mismatch": "a reconstructed facet (fused-attention pattern, per-head result) failed its "
+                                     "check against the captured op output; it is not served",
+})
+
+
+# --- area: datasets at scale (issue 23: tl.stats, extraction helpers, data-parallel runs) ---
+_register("InvalidArgumentError", {
+    "stats_input_invalid": "a tl.stats accumulator got a value it cannot read as a real numeric array "
+                           "(a graph-connected tensor must be detached first)",
+    "stats_shape_mismatch": "a batch's feature or unit shape differs from the accumulator's earlier batches",
+    "stats_merge_mismatch": "merge() got an accumulator of another kind or configuration",
+    "stats_empty": "a statistic was read from an accumulator that has folded too few rows",
+    "stats_option_unsupported": "a tl.stats option that is not built was requested (e.g. Quantile(mode='reservoir'))",
+    "stats_histogram_range_required": "a streaming Histogram was built without fixed edges (range= or edges=)",
+    "aggregate_loss_fn_required": "tl.stats.aggregate got a gradient metric key without loss_fn=",
+    "aggregate_metric_invalid": "a tl.stats.aggregate metric key or accumulator is not usable",
+    "extraction_layers_invalid": "extract/pluck/extract_dataset got no layers, or a layer that is not a name or selector",
+    "extraction_dataset_invalid": "extract_dataset got a dataset it cannot iterate or a batch_size that is not a positive int",
+    "extraction_path_exists": "disk-mode extract_dataset found a non-empty directory and resume=True was not given",
+    "distributed_group_invalid": "distributed= is not True/False/None or a data-parallel group object",
+    "distributed_unavailable": "distributed=True but no data-parallel group is initialised",
+    "extraction_option_unsupported": "an extract_dataset option that is not built yet was requested "
+                                     "(intervene=, ragged=)",
+})
+_register("ArtifactError", {
+    "stats_state_invalid": "a tl.stats state file is unreadable, damaged or does not fit its accumulator kind",
+    "stats_state_foreign": "a file is not a tl_stats_state_v1 state (wrong format tag or unknown kind)",
+    "extraction_resume_signature_mismatch": "resume=True found a run signature (model, dataset, layers, options) "
+                                            "that differs from the stored manifest",
+    "extraction_manifest_invalid": "an extraction directory's manifest.json is missing, unreadable or foreign",
+    "extraction_shard_invalid": "an extraction shard is unreadable, truncated, or disagrees with the manifest "
+                                "(digest, keys, dtypes, shapes)",
+    "extraction_shard_foreign": "a shard file is not a tl_extraction_shard_v1 shard of this run",
+})
+
+# --- area: jax research (issue 28: transforms, containers, loaded-trace validation) ---
+_register("InvalidArgumentError", {
+    "trace_inside_jax_transform": "tl.trace was called inside jax.jit, jax.grad, jax.vmap or another JAX transform: "
+                                  "its inputs, parameters or closure constants are tracers, not values",
+    "linen_variables_missing": "a flax.linen module was traced without its variables (a mapping of collections, "
+                               "as module.init returns)",
+})
+_register("BackendUnsupportedError", {
+    "state_structure_changed": "an nnx forward added or removed module state (a Variable), so its state writes have "
+                               "no leaf-by-leaf record",
+})
+_register("ArtifactError", {
+    "save_records_invalid": "at save, the trace's records fail a check tl.load makes (a record names one that is not "
+                            "saved); nothing is written",
 })
 
 

@@ -148,3 +148,48 @@ class Macs(int, Quantity):
 
 __all__ = ["UnencodableValue", "CallablePlaceholder", "AttributeWrite", "REPR_LIMIT", "Quantity", "Bytes", "Duration",
            "Flops", "Macs"]
+
+
+class TraceLike:
+    """The shared base of capture products (spec glossary l. 928): `tl.trace`'s `Trace`
+    derives from it, so `isinstance(x, tl.types.TraceLike)` accepts any capture product
+    without naming the concrete class. It defines no behaviour of its own."""
+
+    __slots__ = ()
+
+
+__all__ += ["TraceLike"]
+
+
+@dataclass(frozen=True)
+class Relationship:
+    """How two Bundle members relate for comparison: the grade `Bundle.comparability(a, b)`
+    returns and the comparison gate acts on (experimental).
+
+    - `grade`: `"same_inputs"` (inputs proven equal, sites line up by label),
+      `"same_graph"` (different or unproven inputs, equal graph-shape hashes),
+      `"ordered"` (a directed path of ordering relation rows joins them),
+      `"different_graph"` (same parameters, graph shapes differ, inputs not proven equal) or
+      `"foreign"` (the same_param_shapes floor fails: different models).
+    - `comparable`: whether the gate lets the pair through; `code` is the gate's
+      `bundle_gate_*` refusal code when it does not (None otherwise).
+    - `same_param_shapes`, `same_graph_shape`, `inputs_equal` (None: not provable, an
+      input's payload was not saved): the facts the grade is read from.
+    - `ordering_path`: the member names of the ordering path, earliest last (empty if none).
+    - `shared_sites`: how many op labels line up between the two.
+    """
+
+    a: str
+    b: str
+    grade: str
+    comparable: bool
+    code: str | None
+    same_param_shapes: bool
+    same_graph_shape: bool
+    inputs_equal: bool | None
+    ordering_path: tuple[str, ...] = ()
+    shared_sites: int = 0
+    reasons: tuple[str, ...] = ()
+
+
+__all__ += ["Relationship"]

@@ -15,6 +15,13 @@ and `seed=` has nothing to seed: it refuses with `explicit_seed_unsupported`.
 Gradients: `CaptureOptions(backward_ready=True, save_grads=True)` keeps what a backward
 needs; `trace.backward(loss)` then fills every saved op's `grads` with `jax.vjp` over the
 evaluated jaxpr (`torchlens_jax.grads`).
+
+Interventions: `interventions=True`. Replay edits run through `JaxEditOps`
+(`torchlens_jax.edit_ops`, jax.numpy) and re-bind each recorded primitive of the edited
+op's downstream cone; a live edit (`intervene=`, `tl.sweep`, the rerun engine) reaches the
+capture as core's edit plan (`_edit_plan`), which the interpreter applies to an equation's
+outputs before any later equation reads them; `attach_module_edits` edits module outputs
+for `tl.when(...).bind(model)` and the guarded fast rerun.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from contextlib import nullcontext
 from typing import Any, Hashable
 
 import jax
@@ -45,7 +53,7 @@ from torchlens.backends.sdk import (
     save_plan,
 )
 from torchlens_jax import __version__
-from torchlens_jax.describe import Description, describe, model_kind
+from torchlens_jax.describe import Description, describe, describe_linen, model_kind, unwrap_jit
 from torchlens_jax.interpret import Interpreter, Traced, shape_dtype
 from torchlens_jax.plugin import FRAMEWORK
 from torchlens_jax.scopes import CallTable, Recorder, module_scopes
@@ -74,6 +82,22 @@ def _input_leaves(args: tuple, kwargs: dict) -> tuple[list[tuple[str, Any]], lis
             out.append((_path_text(path, n_arrays), leaf))
             positions.append(i)
     return out, [leaf for _, leaf in flat], positions, treedef
+
+
+def _refuse_tracers(where: str, values: list[Any], names: list[str] | None = None) -> None:
+    """`tl.trace` called inside `jax.jit`, `jax.grad`, `jax.vmap` (or any JAX transform) sees
+    tracers, not values: a trace of them would record leaked tracers. Refuse before anything
+    is recorded."""
+    for i, v in enumerate(values):
+        if isinstance(v, jax.core.Tracer):
+            name = names[i] if names is not None else f"{where}[{i}]"
+            raise InvalidArgumentError(
+                "trace_inside_jax_transform",
+                f"{where} {name} is a JAX tracer ({type(v).__name__}): tl.trace was called inside jax.jit, "
+                "jax.grad, jax.vmap or another JAX transform",
+                remedy="call tl.trace outside the transform on concrete arrays (tl.trace evaluates the model "
+                       "itself; to trace a jitted function, pass it to tl.trace: its body is stepped into)",
+                where=where, name=name, tracer=type(v).__name__)
 
 
 def _path_text(path: tuple, n_arrays: int) -> str:
@@ -120,6 +144,7 @@ def trace_model(desc: Description, model: Any, all_leaves: list[Any], positions:
                 return hit
     table = CallTable()
     recorder = Recorder(table)
+    written: list[int] = []
 
     def traced(leaves: list[Any], xs: list[Any]) -> Any:
         full = list(all_leaves)
@@ -129,18 +154,46 @@ def trace_model(desc: Description, model: Any, all_leaves: list[Any], positions:
         m = desc.rebuild(leaves)
         recorder.addr_of = {id(obj): (addr or "self") for addr, obj in desc.modules_of(m)}
         with recorder.call(m, "self"):
-            return m(*args, **kwargs)
+            out = m(*args, **kwargs)
+        after = desc.state_after(m) if desc.state_after is not None else None
+        if after is None:
+            if desc.state_after is not None:
+                raise BackendUnsupportedError(
+                    "state_structure_changed", "the forward added or removed module state (an nnx Variable)",
+                    remedy="create every Variable in __init__ and only assign .value in the forward")
+            return out, []
+        written[:] = [i for i, (a, b) in enumerate(zip(leaves, after)) if a is not b]
+        return out, [after[i] for i in written]  # state the forward wrote: extra outputs, never written back
 
     modules = [obj for _, obj in desc.modules_of(model)]
-    with module_scopes(modules, recorder):
+    with module_scopes(modules, recorder), (desc.scopes(recorder) if desc.scopes is not None else nullcontext()):
         closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(list(desc.leaves), list(arrays))
-    result = Traced(closed, jax.tree_util.tree_structure(out_shape), table, len(desc.leaves))
+    _refuse_tracers("closure constant", list(closed.consts))  # a closure over an outer transform's tracer
+    result = Traced(closed, jax.tree_util.tree_structure(out_shape[0]), table, len(desc.leaves), tuple(written))
     if key is not None:
         with _TRACE_LOCK:
             _TRACE_CACHE[key] = result
             if len(_TRACE_CACHE) > _TRACE_CACHE_MAX:
                 _TRACE_CACHE.popitem(last=False)
     return result
+
+
+def _record_state_writes(backend: JAXBackend, trace: Any, desc: Description, written: tuple[int, ...],
+                         writes: list[tuple[Any, tuple]]) -> None:
+    """nnx state the forward wrote (a batch norm's running stats, an RNG stream's counter) as
+    `Module.attribute_writes`: {name under the module: AttributeWrite("replaced", value)} on
+    the module owning the Variable. The model itself is never changed (the capture evaluates
+    a merged copy): apply the values with `nnx.update` to advance it."""
+    from torchlens.backends.sdk import AttributeWrite
+
+    owners = {r.address: (r.module, r.name) for r in [*desc.info.params, *desc.info.buffers]}
+    for rec in trace._modules.values():
+        rec._attribute_writes = {}
+    for i, (value, _) in zip(written, writes):
+        module, name = owners[desc.addresses[i]]
+        rec = trace._modules.get(module)
+        if rec is not None:
+            rec._attribute_writes[name] = AttributeWrite("replaced", backend.host_copy(value))
 
 
 def clear_trace_cache() -> None:
@@ -162,7 +215,23 @@ class JAXBackend:
     # identity -----------------------------------------------------------------------------------
     def capabilities(self) -> BackendCapabilities:
         return BackendCapabilities(validation_replay=True, payload_materialization=True, backward_capture=True,
-                                   rng_replay=True)
+                                   rng_replay=True, interventions=True)
+
+    # interventions ------------------------------------------------------------------------------
+    def edit_ops(self) -> Any:
+        """The `jax.numpy` math edits and replay run with (`torchlens_jax.edit_ops.JaxEditOps`)."""
+        from torchlens_jax.edit_ops import JaxEditOps
+
+        return JaxEditOps()
+
+    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
+        """Bound-executor hooks: edit each targeted module call's array outputs as it returns."""
+        from torchlens_jax.edit_ops import attach_module_edits
+
+        model = unwrap_jit(model)
+        kind = model_kind(model)
+        modules = describe(model).modules_of(model) if kind in ("nnx", "equinox") else []
+        return attach_module_edits(model, modules, rules, ops, fired)
 
     def runtime_available(self) -> str | None:
         cached = self.__dict__.get("_runtime")
@@ -215,8 +284,9 @@ class JAXBackend:
     def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
         """flax.nnx and equinox modules always (a foreign input then refuses typed in capture);
         a plain callable when its inputs hold a JAX or NumPy array and no other framework's."""
+        model = unwrap_jit(model)
         kind = model_kind(model)
-        if kind in ("nnx", "equinox"):
+        if kind in ("nnx", "equinox", "linen"):
             return True
         if kind != "function":
             return False
@@ -229,7 +299,7 @@ class JAXBackend:
         return model(*args, **kwargs)
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
-                replay_rng: bool = True, **options: Any) -> Any:
+                replay_rng: bool = True, _edit_plan: Any = None, **options: Any) -> Any:
         # the same pre-capture refusals tl.trace makes, for callers that reach capture directly
         check_requested_capabilities(self, capture, options)
         if not isinstance(replay_rng, bool):
@@ -237,12 +307,22 @@ class JAXBackend:
                                        remedy="replay_rng=True (JAX keys are recorded inputs: draws always replay)",
                                        option="replay_rng")
         plan = save_plan(save)
+        model = unwrap_jit(model)  # nnx.jit / eqx.filter_jit: trace what they wrap (jitted code is stepped into anyway)
         if model_kind(model) is None:
             raise InvalidArgumentError("model_type_unsupported", f"the jax backend cannot trace a {type(model).__name__}",
-                                       remedy="pass a JAX function, a flax.nnx.Module or an equinox.Module",
+                                       remedy="pass a JAX function, a flax.nnx.Module, an equinox.Module or a flax.linen module with its variables",
                                        model_type=type(model).__name__)
+        if model_kind(model) == "linen":  # its variables travel with the call: split them off first
+            from torchlens_jax.describe import split_linen
+
+            module, variables, args, kwargs = split_linen(model, args, kwargs)
+            _refuse_tracers("variable", jax.tree_util.tree_leaves(variables))
+            desc = describe_linen(module, variables, args, kwargs)
         inputs, all_leaves, positions, treedef = _input_leaves(args, kwargs)
-        desc = describe(model)
+        _refuse_tracers("input", [x for _, x in inputs], [p for p, _ in inputs])
+        if model_kind(model) != "linen":
+            desc = describe(model)
+        _refuse_tracers("model leaf", list(desc.leaves), list(desc.addresses))
         start = time.perf_counter()
         prov = Provenance("jax", backend_version=__version__, framework_version=jax.__version__, model_class=desc.root_class,
                           start_time=time.time(), root_entry_point="function" if desc.kind == "function" else "module")
@@ -251,34 +331,50 @@ class JAXBackend:
         log = EventLog()
         try:
             traced = trace_model(desc, model, all_leaves, positions, treedef, arrays)
-            interp = Interpreter(traced, log, desc.addresses, desc.is_param)
+            interp = Interpreter(traced, log, desc.addresses, desc.is_param, edit_plan=_edit_plan)
             outs = interp.run(list(desc.leaves), inputs)
-        except BackendUnsupportedError:
+        except (BackendUnsupportedError, InvalidArgumentError):
             raise
         except Exception as exc:
             partial = build_trace(desc.info, log, output_state="output_forward_failed", provenance=prov, backend=self)
             raise TraceCaptureError("forward_failed", f"the forward raised {type(exc).__name__}: {exc}",
                                     remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
                                     partial_trace=partial) from exc
+        n_out = len(outs) - len(traced.written)
+        outs, writes = outs[:n_out], outs[n_out:]
         values = [v for v, _ in outs]
         output = jax.tree_util.tree_unflatten(traced.out_tree, values)
+        returned = []
         for (path, leaf), (_, src) in zip(_output_paths(output), outs):
             ref = interp._materialize(src, 0) if src[0] in ("const", "buffer") else src
             parents = ((ref[1], ref[2]),) if ref[0] == "ev" else ()
+            if src[0] != "ev" and ref[0] == "ev" and ref[1] in interp.edited:
+                leaf = interp.edited[ref[1]][ref[2]]  # an edited buffer or constant returned as it is
             i = log.new_id()
+            leaf = interp.edit(i, (leaf,))[0]  # a live edit of the output op changes what the model returns
+            returned.append(leaf)
             shape, dtype = shape_dtype(leaf)
             log.append(OpEvent(i, "output", "output", parents=parents, outputs=(leaf,), shapes=(shape,), dtypes=(dtype,), path=path,
                                meta={"param": ref[1]} if ref[0] == "param" else {}))
+        if interp.edited:
+            output = jax.tree_util.tree_unflatten(traced.out_tree, returned)
         interp.finish_module_calls(log.events)
         prov.duration = time.perf_counter() - start
         prov.end_time = time.time()
         prov.extra["num_equations"] = len(traced.closed.jaxpr.eqns)
+        for i, (_, src) in zip(traced.written, writes):
+            ev = interp.op_events.get(src[1]) if src[0] == "ev" else None
+            if ev is not None:
+                ev.meta["state_write"] = desc.addresses[i]
         trace = build_trace(desc.info, log, output=output, provenance=prov, options=capture, backend=self)
+        if desc.state_after is not None:
+            _record_state_writes(self, trace, desc, traced.written, writes)
         trace.cost.forward_duration = prov.duration
         if capture is not None and (capture.backward_ready or capture.save_grads):
             from torchlens_jax.grads import keep_for_backward
 
-            keep_for_backward(trace, traced.out_tree, save_grads=bool(capture.save_grads))  # before save= drops sources
+            keep_for_backward(trace, traced.out_tree, save_grads=bool(capture.save_grads),  # before save= drops sources
+                              edit_plan=_edit_plan)
         apply_save(trace, plan)
         return trace
 
@@ -303,10 +399,20 @@ class JAXBackend:
         from torchlens.backends.sdk import CallablePlaceholder
         from torchlens_jax.interpret import PrimitiveCall
 
-        name = op.meta.get("primitive") if isinstance(op.meta, dict) else None
-        params = op.meta.get("primitive_params") if isinstance(op.meta, dict) else None
-        if not isinstance(name, str) or type(params) is not dict or not isinstance(op.func, CallablePlaceholder):
+        if not isinstance(op.func, CallablePlaceholder) or not isinstance(op.meta, dict):
             return None
+        scan = _scan_op(op.meta.get("scan_op"))
+        if scan is not None:
+            return scan
+        name = op.meta.get("primitive")
+        params = op.meta.get("primitive_params")
+        if not isinstance(name, str) or type(params) is not dict:
+            return None
+        if name == "sharding_constraint":  # a placement hint: the value passes through unchanged
+            from torchlens_jax.interpret import ShardingPassThrough
+
+            prim = primitive_table().get(name)
+            return None if prim is None else ShardingPassThrough(prim)
         if not all(type(k) is str for k in params) or not _plain_data(params):
             return None
         prim = primitive_table().get(name)
@@ -329,6 +435,19 @@ _CODE_PRIMITIVES = frozenset({
 })
 _PRIMITIVES: dict[str, Any] | None = None
 _PRIMITIVES_LOCK = threading.Lock()
+
+
+def _scan_op(spec: Any) -> Any:
+    """The ScanSlice / ScanStack a loaded scan op's `meta["scan_op"]` names, or None."""
+    from torchlens_jax.interpret import ScanSlice, ScanStack
+
+    if type(spec) is not dict:
+        return None
+    if spec.get("op") == "slice" and set(spec) == {"op", "index"} and type(spec["index"]) is int and spec["index"] >= 0:
+        return ScanSlice(spec["index"])
+    if spec.get("op") == "stack" and set(spec) == {"op", "reverse"} and type(spec["reverse"]) is bool:
+        return ScanStack(spec["reverse"])
+    return None
 
 
 def _plain_data(value: Any, depth: int = 0) -> bool:

@@ -68,6 +68,14 @@ class JaxCodec:
 
         if isinstance(value, lax.ConvDimensionNumbers):
             return "jax.lax.ConvDimensionNumbers", tuple(tuple(int(d) for d in spec) for spec in value)
+        for kind, cls in _DIMENSION_NUMBERS.items():
+            if type(value) is getattr(lax, cls):
+                return kind, tuple(tuple(int(d) for d in field) for field in value)
+        if isinstance(value, (lax.GatherScatterMode, lax.FftType)):
+            return f"jax.lax.{type(value).__name__}", value.name
+        combiner = _scatter_combiner(value)
+        if combiner is not None:
+            return "jax.ScatterCombiner", combiner
         if type(value).__name__ == "PRNGImpl" and hasattr(value, "name"):
             return "jax.PRNGImpl", str(value.name)
         if isinstance(value, lax.Precision):
@@ -120,6 +128,17 @@ class JaxCodec:
         if (kind == "jax.lax.ConvDimensionNumbers" and isinstance(plain, tuple) and len(plain) == 3
                 and all(isinstance(s, tuple) and all(type(d) is int for d in s) for s in plain)):
             return lax.ConvDimensionNumbers(*plain)
+        if kind in _DIMENSION_NUMBERS and isinstance(plain, tuple):
+            cls = getattr(lax, _DIMENSION_NUMBERS[kind])
+            if len(plain) != len(cls._fields) or not all(
+                    isinstance(f, tuple) and all(type(d) is int and 0 <= d < 64 for d in f) for f in plain):
+                return None
+            return cls(*plain)
+        if kind in ("jax.lax.GatherScatterMode", "jax.lax.FftType") and isinstance(plain, str):
+            enum = getattr(lax, kind.rpartition(".")[2])
+            return enum[plain] if plain in enum.__members__ else None
+        if kind == "jax.ScatterCombiner" and isinstance(plain, tuple) and len(plain) == 2:
+            return _combiner_jaxpr(*plain)
         if kind == "jax.PRNGImpl" and isinstance(plain, str):
             return prng_table().get(plain)
         if kind == "jax.lax.Precision" and isinstance(plain, str) and plain in lax.Precision.__members__:
@@ -143,6 +162,43 @@ class JaxCodec:
         if impl:
             out = jax.random.wrap_key_data(out, impl=impl)
         return out
+
+
+#: Literal kind -> the `jax.lax` NamedTuple of gather / scatter dimension numbers.
+_DIMENSION_NUMBERS = {"jax.lax.GatherDimensionNumbers": "GatherDimensionNumbers",
+                      "jax.lax.ScatterDimensionNumbers": "ScatterDimensionNumbers"}
+#: The combining primitive of a scatter's `update_jaxpr` (what `lax.scatter_add` and friends build).
+_COMBINERS = ("add", "mul", "min", "max")
+
+
+def _scatter_combiner(value: Any) -> tuple[str, str] | None:
+    """(primitive, dtype) when `value` is the two-scalar, one-equation jaxpr a scatter
+    reduction carries (`{ lambda ; a b. let c = add a b in (c,) }`); None for anything else."""
+    if type(value).__name__ != "Jaxpr" or not hasattr(value, "eqns"):
+        return None
+    try:
+        (eqn,) = value.eqns
+        a, b = value.invars
+        (out,) = value.outvars
+        if (value.constvars or eqn.primitive.name not in _COMBINERS or eqn.params or list(eqn.invars) != [a, b]
+                or list(eqn.outvars) != [out] or a.aval.shape != () or a.aval.dtype != b.aval.dtype):
+            return None
+        return eqn.primitive.name, np.dtype(a.aval.dtype).name
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def _combiner_jaxpr(prim: Any, dtype_name: Any) -> Any:
+    """The scatter `update_jaxpr` for a combiner a file names: rebuilt by tracing the fixed
+    `jax.lax` function (never code from the file)."""
+    dtype = _numeric_dtype(dtype_name)
+    if prim not in _COMBINERS or dtype is None:
+        return None
+    from jax import lax
+
+    fn = {"add": lax.add, "mul": lax.mul, "min": lax.min, "max": lax.max}[prim]
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    return jax.make_jaxpr(fn)(scalar, scalar).jaxpr
 
 
 _META_KEYS = {"device", "prng_impl", "key_shape"}

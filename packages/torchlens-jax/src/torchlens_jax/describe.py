@@ -32,16 +32,48 @@ class Description:
     rebuild: Callable[[list[Any]], Any] = lambda leaves: None
     modules_of: Callable[[Any], list[tuple[str, Any]]] = lambda model: []
     cache_key: Hashable | None = None
+    #: recorder -> context manager opening a module-call scope per call (flax.linen, whose
+    #: bound submodules are clones made inside `apply`, so object identity cannot name them)
+    scopes: Callable[[Any], Any] | None = None
+    #: rebuilt model after its forward -> its state leaves (same order as `leaves`), or None
+    #: when a forward cannot write state (equinox, functions: state is explicit there)
+    state_after: Callable[[Any], list[Any] | None] | None = None
+
+
+#: (module, class name) of the jit wrappers whose `__wrapped__` is traced in their place.
+_JIT_WRAPPERS = {("flax.nnx.transforms.compilation", "JitWrapped"), ("equinox._jit", "_JitWrapper")}
+
+
+def unwrap_jit(model: Any) -> Any:
+    """The callable under an `nnx.jit` or `eqx.filter_jit` wrapper (nested ones too), so its
+    module tree and parameter names are traced; any other object unchanged. The capture
+    steps into jitted code equation by equation anyway."""
+    for _ in range(8):
+        if (type(model).__module__, type(model).__name__) not in _JIT_WRAPPERS:
+            return model
+        inner = getattr(model, "__wrapped__", None)
+        if inner is None or inner is model:
+            return model
+        model = inner
+    return model
 
 
 def model_kind(model: Any) -> str | None:
     """"nnx", "equinox", "function", or None when the object is not something we trace.
-    Decided on the type's module name first, so no framework is imported to say no."""
+    Decided on the type's module name first, so no framework is imported to say no.
+    An `nnx.jit` / `eqx.filter_jit` wrapper is the kind of what it wraps."""
+    model = unwrap_jit(model)
     mro_modules = {c.__module__.split(".")[0] for c in type(model).__mro__}
+    if _linen_apply_of(model) is not None:
+        return "linen"
     if "flax" in mro_modules:
         from flax import nnx
 
-        return "nnx" if isinstance(model, nnx.Module) else None
+        if isinstance(model, nnx.Module):
+            return "nnx"
+        import flax.linen as nn
+
+        return "linen" if isinstance(model, nn.Module) else None
     if "equinox" in mro_modules:
         import equinox as eqx
 
@@ -52,13 +84,139 @@ def model_kind(model: Any) -> str | None:
     return None
 
 
-def describe(model: Any) -> Description:
+def describe(model: Any, args: tuple = (), kwargs: dict | None = None) -> Description:
+    model = unwrap_jit(model)
+    if model_kind(model) == "linen":
+        module, variables, args, kwargs = split_linen(model, args, kwargs or {})
+        return describe_linen(module, variables, args, kwargs)
     kind = model_kind(model)
     if kind == "nnx":
         return _describe_nnx(model)
     if kind == "equinox":
         return _describe_equinox(model)
     return _describe_function(model)
+
+
+# flax.linen --------------------------------------------------------------------------------
+
+def _linen_apply_of(model: Any) -> Any:
+    """The linen module when `model` is its bound `apply` method (`module.apply`), else None."""
+    owner = getattr(model, "__self__", None)
+    if owner is None or getattr(model, "__name__", None) != "apply":
+        return None
+    if "flax" not in {c.__module__.split(".")[0] for c in type(owner).__mro__}:
+        return None
+    import flax.linen as nn
+
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def split_linen(model: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, tuple, dict]:
+    """(linen module, variables, call args, call kwargs) for `tl.trace(module.apply, variables, x)`
+    or `tl.trace(module, x, input_kwargs={"variables": variables})`; refuses typed when the
+    variables are missing or not a mapping of collections."""
+    from torchlens.backends.sdk import InvalidArgumentError
+
+    module = _linen_apply_of(model)
+    if module is not None:
+        if not args:
+            raise InvalidArgumentError("linen_variables_missing", "module.apply was traced without its variables",
+                                       remedy="tl.trace(module.apply, variables, x)")
+        variables, args = args[0], tuple(args[1:])
+    else:
+        module = model
+        if "variables" not in kwargs:
+            raise InvalidArgumentError("linen_variables_missing",
+                                       f"the flax.linen module {type(model).__name__} was traced without its variables",
+                                       remedy="tl.trace(module, x, input_kwargs={'variables': variables}) or "
+                                              "tl.trace(module.apply, variables, x)")
+        kwargs = dict(kwargs)
+        variables = kwargs.pop("variables")
+    from collections.abc import Mapping
+
+    if not isinstance(variables, Mapping) or not all(isinstance(v, Mapping) for v in variables.values()):
+        raise InvalidArgumentError("linen_variables_missing",
+                                   f"linen variables must be a mapping of collections, got {type(variables).__name__}",
+                                   remedy="pass what module.init returned ({'params': {...}, ...})")
+    return module, variables, args, kwargs
+
+
+def describe_linen(module: Any, variables: Any, args: tuple, kwargs: dict) -> Description:
+    """A linen module with its variables: parameters named by their pytree path in the
+    `params` collection (`params['Dense_0']['kernel']` -> `Dense_0.kernel`), other
+    collections (`batch_stats`, ...) buffers; module records are the submodules whose
+    `__call__` runs (found by one abstract evaluation), addressed by their linen path."""
+    import flax.linen as nn
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
+    found: list[tuple[str, Any]] = [("", module)]
+
+    def note(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
+        if context.method_name == "__call__" and context.module.path:
+            found.append((".".join(str(p) for p in context.module.path), context.module))
+        return next_fun(*a, **k)
+
+    with nn.intercept_methods(note):
+        call_leaves, call_def = jax.tree_util.tree_flatten((args, kwargs))
+        pos = [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+        def run(v: Any, arrays: list[Any]) -> Any:
+            full = list(call_leaves)
+            for i, a in zip(pos, arrays):
+                full[i] = a
+            a, k = jax.tree_util.tree_unflatten(call_def, full)
+            return module.apply(v, *a, **k)
+
+        jax.eval_shape(run, variables, [call_leaves[i] for i in pos])
+    mods = _preorder(found)
+    info = _model_info(module, mods)
+
+    def rebuild(leaves: list[Any]) -> Any:
+        v = jax.tree_util.tree_unflatten(treedef, leaves)
+        return lambda *a, **k: module.apply(v, *a, **k)
+
+    desc = Description("linen", type(module).__name__, info, rebuild=rebuild, scopes=lambda rec: _linen_scopes(rec))
+    names = [[_key_text(k) for k in path] for path, _ in flat]
+    short = [".".join(n[1:]) for n in names]
+    for (path, leaf), n, s in zip(flat, names, short):
+        address = s if short.count(s) == 1 and s else ".".join(n)
+        _add_leaf(desc, address, leaf, n[0] == "params", mods)
+    try:
+        hash(module)
+        desc.cache_key = _leaf_key(("linen", type(module), id(module), treedef), desc.leaves)
+    except TypeError:
+        desc.cache_key = None
+    return desc
+
+
+def _own_train_mode(m: Any) -> bool | None:
+    """A module's own train mode where it states one: `training` (equinox/torch style),
+    `deterministic=False` (dropout), `use_running_average=False` (batch norm); None when it
+    states none."""
+    v = getattr(m, "training", None)
+    if isinstance(v, bool):
+        return v
+    for attr in ("deterministic", "use_running_average"):
+        v = getattr(m, attr, None)
+        if isinstance(v, bool):
+            return not v
+    return None
+
+
+def _linen_scopes(recorder: Any) -> Any:
+    import flax.linen as nn
+
+    def open_scope(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
+        if context.method_name != "__call__":
+            return next_fun(*a, **k)
+        address = ".".join(str(p) for p in context.module.path) or "self"
+        top = recorder.table.calls[recorder.stack[-1][0]][0] if recorder.stack else None
+        if top == address:  # the root (opened by the capture) or a nested __call__ of one module
+            return next_fun(*a, **k)
+        with recorder.call(address, address):
+            return next_fun(*a, **k)
+
+    return nn.intercept_methods(open_scope)
 
 
 # plain callables ----------------------------------------------------------------------------
@@ -104,7 +262,16 @@ def _describe_nnx(model: Any) -> Description:
             _NNX_MODULES[graphdef] = mods
         except TypeError:
             pass
-    desc = Description("nnx", type(model).__name__, _model_info(model, mods), rebuild=rebuild, modules_of=modules_of)
+    def state_after(m: Any) -> list[Any] | None:
+        _, p_after, r_after = nnx.split(m, nnx.Param, ...)
+        pl, pd = jax.tree_util.tree_flatten(p_after)
+        rl, rd = jax.tree_util.tree_flatten(r_after)
+        if pd != p_def or rd != r_def:
+            return None  # the forward added or removed state: no leaf-by-leaf correspondence
+        return [*pl, *rl]
+
+    desc = Description("nnx", type(model).__name__, _model_info(model, mods), rebuild=rebuild, modules_of=modules_of,
+                       state_after=state_after)
     for i, (path, leaf) in enumerate([*p_leaves, *r_leaves]):
         keys = [_key_text(k) for k in path]
         if keys and keys[-1] == "value":  # the Variable's payload attribute
@@ -139,7 +306,9 @@ def _describe_equinox(model: Any) -> Description:
             full[pos] = leaf
         return jax.tree_util.tree_unflatten(treedef, full)
 
-    mods = _preorder(modules_of(model))
+    containers: list[tuple[str, Any]] = []
+    _eqx_walk(model, "", [], eqx.Module, containers)
+    mods = _preorder(modules_of(model) + containers)  # a list/tuple/dict of modules is a record, like a ModuleList
     desc = Description("equinox", type(model).__name__, _model_info(model, mods), rebuild=rebuild, modules_of=modules_of)
     for pos in array_pos:
         path, leaf = flat[pos]
@@ -150,17 +319,26 @@ def _describe_equinox(model: Any) -> Description:
     return desc
 
 
-def _eqx_walk(obj: Any, address: str, out: list, module_type: type) -> None:
+def _eqx_walk(obj: Any, address: str, out: list, module_type: type, containers: list | None = None) -> bool:
+    """Append (address, module) for every module under `obj`; with `containers`, also
+    (address, container) for each list, tuple or dict that holds a module at some depth (its
+    items' parent, as torch's `ModuleList`). True when `obj` holds a module."""
     if isinstance(obj, module_type):
         out.append((address, obj))
         for f in dataclasses.fields(obj):
-            _eqx_walk(getattr(obj, f.name, None), _child(address, f.name), out, module_type)
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            _eqx_walk(item, _child(address, str(i)), out, module_type)
+            _eqx_walk(getattr(obj, f.name, None), _child(address, f.name), out, module_type, containers)
+        return True
+    items: list[tuple[str, Any]] = []
+    if isinstance(obj, (list, tuple)):
+        items = [(str(i), item) for i, item in enumerate(obj)]
     elif isinstance(obj, dict):
-        for k, item in obj.items():
-            _eqx_walk(item, _child(address, str(k)), out, module_type)
+        items = [(str(k), item) for k, item in obj.items()]
+    found = False
+    for name, item in items:
+        found = _eqx_walk(item, _child(address, name), out, module_type, containers) or found
+    if found and containers is not None and address:
+        containers.append((address, obj))
+    return found
 
 
 # shared helpers -----------------------------------------------------------------------------
@@ -203,12 +381,18 @@ def _parent(addr: str) -> str:
 
 
 def _model_info(model: Any, mods: list[tuple[str, Any]]) -> ModelInfo:
+    """Module records in preorder. `training`: the module's own train mode (`training`,
+    `deterministic`, `use_running_average`); a module stating none (a container) is in
+    train mode when a module under it is (as after torch's `.train()` or nnx's `.train()`)."""
     info = ModelInfo(type(model).__name__)
+    own = {addr: _own_train_mode(m) for addr, m in mods}
     for addr, m in mods:
         a = addr or "self"
+        mode = own[addr]
+        if mode is None:
+            mode = any(own[b] for b in own if b != addr and (not addr or b.startswith(addr + ".")) and own[b])
         info.modules.append(ModuleInfo(a, type(m).__name__, type(m).__qualname__,
-                                       parent=None if not addr else (_parent(addr) or "self"),
-                                       training=bool(getattr(m, "training", False))))
+                                       parent=None if not addr else (_parent(addr) or "self"), training=bool(mode)))
     return info
 
 

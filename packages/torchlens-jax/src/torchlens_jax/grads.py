@@ -11,6 +11,21 @@ the model downstream of the op. Each saved op's `grads` gets one entry per outpu
 (`None` for a slot of an integer, boolean or key dtype); an op the loss does not depend on
 gets zeros.
 
+A live-edited capture (`intervene=`, the rerun engine) keeps its edit plan here too: the
+re-evaluation applies each forward edit where the capture did (after the op ran, before
+anything reads it), so the gradients are those of the edited forward the trace recorded;
+a gradient edit (`tl.when(tl.grad(site), edit)`) is an identity with a custom VJP at that
+op's output, so the edited cotangent is what the op's `grads` holds and what flows further
+back (a torch gradient hook's semantics).
+
+A differentiable replay (`trace.fork().do(site, edit,
+intervention=InterventionOptions(differentiable=True))` on a plain backward-ready capture)
+gives the fork it returns its own state (`keep_replay_for_backward`, through core's
+`ReplayGradientOps`): the same kept sources re-evaluated with every edit the fork's values
+reflect applied where the replay applied it (sources included), so `fork.backward(loss)` is
+the gradient of the edited forward. Editing that fork again without `differentiable=True`
+makes its backward refuse (the kept replay no longer matches its values).
+
 The state lives in the trace's backend-state slot (`trace.backend_state`, never on its
 records) and names the trace it was made for: a fork shares the slot but is not that trace,
 and a loaded trace has none, so for both `backward` refuses with `backward_not_requested`
@@ -26,7 +41,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from torchlens.backends.sdk import ArgRef, InvalidArgumentError, param_values
+from torchlens.backends.sdk import InvalidArgumentError, Replayer, param_values
+from torchlens_jax.validate import JaxReplayOps
 
 _SOURCES = ("input", "buffer", "constant")
 
@@ -39,12 +55,76 @@ class GradState:
     save_grads: bool
     sources: dict[int, tuple[Any, ...]]
     owner: "weakref.ref[Any]"  # the trace this state was captured for
+    edit_plan: Any = None  # core's EditPlan of a live-edited capture, or a differentiable replay's _ReplayPlan
+    recipe_digest: str | None = None  # a differentiable replay's fork: the recipe its values reflect
 
 
-def keep_for_backward(trace: Any, out_tree: Any, save_grads: bool) -> None:
-    """Called by the capture, before the save plan releases payloads."""
+@dataclass
+class _ReplayPlan:
+    """The edits a differentiable replay applied (by event id), in the shape `_evaluate` reads
+    core's EditPlan: forward edits only, applied to sources too (the kept sources are clean)."""
+
+    by_event: dict[int, list[Any]]
+    labels: dict[int, str]
+    ops: Any
+    run_state: dict
+    grad_by_event: dict = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.grad_by_event = {}
+
+
+def keep_replay_for_backward(trace: Any, edits: dict[str, list[Any]], ops: Any) -> None:
+    """Give the fork a differentiable replay returned its own backward state: the capture's kept
+    sources re-evaluated with `edits` applied where the replay applied them. Nothing is kept (its
+    backward refuses) when the fork does not come from a plain backward-ready capture."""
+    root = trace.backend_state
+    if not isinstance(root, GradState) or root.owner() is None or (
+            root.edit_plan is not None and not isinstance(root.edit_plan, _ReplayPlan)):  # a live-edited capture
+        return
+    by_event = {trace._ops[label].event_id: list(es) for label, es in edits.items()}
+    labels = {trace._ops[label].event_id: label for label in edits}
+    plan = _ReplayPlan(by_event, labels, ops, {})
+    trace.backend_state = GradState(root.out_tree, root.save_grads, root.sources, weakref.ref(trace), plan,
+                                    trace.recipe.digest)
+
+
+def keep_for_backward(trace: Any, out_tree: Any, save_grads: bool, edit_plan: Any = None) -> None:
+    """Called by the capture, before the save plan releases payloads. Source values are kept
+    as recorded (a live edit of an input is already in them)."""
     sources = {op.event_id: tuple(op.outs) for op in trace.ops if op.kind in _SOURCES}
-    trace.backend_state = GradState(out_tree, save_grads, sources, weakref.ref(trace))
+    plan = edit_plan if edit_plan is not None and (edit_plan.by_event or edit_plan.grad_by_event) else None
+    trace.backend_state = GradState(out_tree, save_grads, sources, weakref.ref(trace), plan)
+
+
+def _forward_edits(plan: Any, eid: int, outs: list[Any]) -> list[Any]:
+    """The plan's forward edits of event `eid` applied to its slots (as the capture did)."""
+    from torchlens.backends.sdk import HookContext, fire
+
+    for edit in plan.by_event[eid]:
+        for i, v in enumerate(outs):
+            if v is None or not hasattr(v, "shape"):
+                continue
+            ctx = HookContext(plan.labels.get(eid, str(eid)), None, None, plan.ops, run_state=plan.run_state)
+            outs[i] = fire(edit, v, ctx)
+    return outs
+
+
+def _grad_tap(plan: Any, eid: int) -> Callable[[Any], Any]:
+    """An identity whose VJP applies the plan's gradient edits of event `eid` to the cotangent."""
+
+    @jax.custom_vjp
+    def tap(x: Any) -> Any:
+        return x
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        return x, None
+
+    def bwd(_res: None, g: Any) -> tuple[Any]:
+        return (plan.apply_grad(eid, g),)
+
+    tap.defvjp(fwd, bwd)
+    return tap
 
 
 def _inexact(dtype_name: str) -> bool:
@@ -69,29 +149,35 @@ def _default_loss(leaves: list[Any]) -> Any:
 def _evaluate(trace: Any, state: GradState, ops: list[Any], params: dict[str, Any]) -> Callable[[dict], Any]:
     """A function of the per-op perturbations returning the output pytree's leaves."""
 
+    plan = state.edit_plan
+    fwd_edited = set(plan.by_event) if plan is not None else set()
+    grad_edited = set(plan.grad_by_event) if plan is not None else set()
+    taps = {eid: _grad_tap(plan, eid) for eid in grad_edited}
+    # each op is re-executed by core's one replay engine (JaxReplayOps: parents as arrays, a
+    # primitive's several results as its slots), on the values this evaluation computed
+    replayer = Replayer(trace, JaxReplayOps(trace._backend))
+
     def run(eps: dict[int, tuple[Any, ...]]) -> list[Any]:
         vals: dict[int, list[Any]] = {}
+        by_label: dict[str, tuple[Any, ...]] = {}  # the replayer's `changed`: every value computed so far
         for op in ops:
             if op.kind in _SOURCES:
-                outs = list(state.sources[op.event_id])
+                outs = list(state.sources[op.event_id])  # recorded after any live edit: not edited again
             elif op.kind == "output":
                 pid, slot = op.parent_slots[0]
                 outs = [vals[pid][slot]]
             elif op.kind == "op":
-                parents = [vals[pid][slot] for pid, slot in op.parent_slots]
-                args = []
-                for a in op.args_template or ():
-                    if isinstance(a, ArgRef):
-                        args.append(params[a.address] if a.address is not None else jnp.asarray(parents[a.index]))
-                    else:
-                        args.append(a)
-                got = op.func(*args)
-                outs = list(got) if getattr(op.func, "multiple_results", False) else [got]
+                outs = list(replayer.run(op, override=params, changed=by_label))
             else:
                 continue
+            if op.event_id in fwd_edited and (op.kind in ("op", "output") or isinstance(plan, _ReplayPlan)):
+                outs = _forward_edits(plan, op.event_id, outs)
             for k, e in (eps.get(op.event_id) or {}).items():
                 outs[k] = outs[k] + e
+                if op.event_id in grad_edited:
+                    outs[k] = taps[op.event_id](outs[k])
             vals[op.event_id] = outs
+            by_label[op.label] = tuple(outs)
         return [vals[o.event_id][0] for o in trace.output_ops]
 
     return run
@@ -105,9 +191,21 @@ def backward(trace: Any, loss: Any = None, **kwargs: Any) -> None:
                                    options=sorted(kwargs))
     state = trace.backend_state
     if not isinstance(state, GradState) or state.owner() is not trace:
+        fork = isinstance(state, GradState)  # a fork shares the slot of the trace it was copied from
         raise InvalidArgumentError("backward_not_requested", "this trace was not captured for a backward pass "
                                    "(or it is a fork or a loaded trace, which keep no backward state)",
-                                   remedy="capture with capture=CaptureOptions(backward_ready=True, save_grads=True)")
+                                   remedy="capture with capture=CaptureOptions(backward_ready=True, save_grads=True)"
+                                   + ("; to differentiate an edited forward, capture it edited: add "
+                                      "intervene=tl.when(site, edit) to that tl.trace call, or replay the edit with "
+                                      "intervention=tl.InterventionOptions(differentiable=True) on a fork of the "
+                                      "backward-ready capture (a plain replayed fork keeps no backward state)"
+                                      if fork else ""),
+                                   fork=fork)
+    if state.recipe_digest is not None and trace.recipe.digest != state.recipe_digest:
+        raise InvalidArgumentError("backward_not_requested", "this differentiable fork was edited again after its "
+                                   "differentiable replay; its values are no longer what the kept replay recomputes",
+                                   remedy="fork again and apply every edit with InterventionOptions(differentiable=True)",
+                                   fork=True)
     if loss is not None and not callable(loss):
         raise InvalidArgumentError("invalid_argument", f"the jax backend's backward takes a callable of the model output, "
                                    f"not {type(loss).__name__} (a JAX array carries no graph to differentiate)",

@@ -31,6 +31,11 @@ from torchlens_jax.scopes import CallTable, call_ids
 #: Primitives whose inner jaxpr is evaluated in place (their ops recorded individually).
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
                              "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2", "custom_lin"})
+#: Primitives whose equation parameters hold a jaxpr their bind takes as a sub-function.
+_SUBFUN_PRIMITIVES = frozenset({"shard_map"})
+#: Collectives: inside a shard_map body they need the mesh's named axes bound.
+_COLLECTIVES = frozenset({"psum", "pmax", "pmin", "ppermute", "pbroadcast", "all_gather", "all_to_all", "psum_scatter",
+                          "reduce_scatter", "axis_index", "pgather", "psum_invariant", "pvary", "all_gather_invariant"})
 #: The most loop iterations (while or scan) one capture unrolls.
 MAX_UNROLL = 1024
 
@@ -50,6 +55,11 @@ class PrimitiveCall:
         self.params = params
 
     def __call__(self, *args: Any) -> Any:
+        if self.primitive.name in _SUBFUN_PRIMITIVES:  # a jaxpr parameter binds as a sub-function (shard_map)
+            bound = self.primitive.get_bind_params(self.params)
+            if isinstance(bound, tuple):  # older JAX: (subfuns, params)
+                return list(self.primitive.bind(*bound[0], *args, **bound[1]))
+            return list(self.primitive.bind(*args, **bound))  # its results (newer JAX: a FlatTree)
         return self.primitive.bind(*args, **self.params)
 
     @property
@@ -60,8 +70,31 @@ class PrimitiveCall:
         return f"<jax primitive {self.primitive.name}>"
 
 
+class ShardingPassThrough(PrimitiveCall):
+    """A loaded `sharding_constraint` op: the constraint only places its input, so its value
+    is the input's (the saved record keeps the sharding's description; the devices it named
+    need not exist where the trace is loaded)."""
+
+    __slots__ = ()
+
+    def __init__(self, primitive: Any) -> None:
+        super().__init__(primitive, {})
+
+    def __call__(self, *args: Any) -> Any:
+        return args[0]
+
+    def __repr__(self) -> str:
+        return "<jax sharding_constraint (pass-through after load)>"
+
+
+@jax.jit
+def _slice_at(xs: Any, index: Any) -> Any:
+    return jax.lax.dynamic_index_in_dim(xs, index, axis=0, keepdims=False)
+
+
 class ScanSlice:
-    """`xs[i]` along the leading axis: one scan step's slice of a scanned-over array."""
+    """`xs[i]` along the leading axis: one scan step's slice of a scanned-over array. The
+    index is a traced argument, so every step of a scan shares one compiled slice."""
 
     __slots__ = ("index",)
     multiple_results = False
@@ -70,7 +103,9 @@ class ScanSlice:
         self.index = index
 
     def __call__(self, xs: Any) -> Any:
-        return jax.lax.index_in_dim(xs, self.index, axis=0, keepdims=False)
+        if not 0 <= self.index < xs.shape[0]:  # dynamic slicing would clamp: an index past the end is an error
+            raise IndexError(f"scan slice {self.index} of an axis of length {xs.shape[0]}")
+        return _slice_at(xs, np.int32(self.index))
 
     def __repr__(self) -> str:
         return f"<scan slice {self.index}>"
@@ -140,6 +175,9 @@ class Traced:
     out_tree: Any
     table: CallTable
     n_leaves: int
+    #: leaf indices (into the described leaves) the forward wrote (nnx state: batch-norm
+    #: running stats, RNG counters); their new values are the jaxpr's last outputs
+    written: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.sites: dict[int, Hashable] = {}
@@ -182,6 +220,57 @@ def _frames_site(eqn: Any, index: int) -> Hashable:
     return ("eqn", index)
 
 
+def _has_markers(jaxpr: Any, depth: int = 0) -> bool:
+    """True when an equation of `jaxpr` (or of a jaxpr nested in its parameters) ran inside a
+    module-call marker scope."""
+    for e in jaxpr.eqns:
+        if call_ids(e.source_info.name_stack):
+            return True
+        if depth < 16:
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns") and _has_markers(inner, depth + 1):
+                        return True
+    return False
+
+
+def _composite_name(primitive: str, inner: Any) -> str | None:
+    """The `meta["composite"]` of ops inside an unnamed call-like equation: `"checkpoint"` for
+    `jax.checkpoint` / `nnx.remat`, the decorated function's name for a `custom_vjp` /
+    `custom_jvp` helper (`"custom_vjp"` for a lambda), None for other calls."""
+    if primitive in ("checkpoint", "remat", "remat2"):
+        return "checkpoint"
+    if primitive.startswith("custom_jvp") or primitive.startswith("custom_vjp"):
+        fn = getattr(getattr(inner, "debug_info", None), "func_name", None)
+        return fn if isinstance(fn, str) and fn and not fn.startswith("<") else primitive[:10]
+    return None
+
+
+def _one_device_body(eqn: Any) -> Any:
+    """A shard_map's body jaxpr when its mesh has one device and the body holds no collective
+    (each shard is then the whole array, so the body runs on the inputs as they are and its
+    primitives are recorded one op each); None otherwise (the shard_map is one op)."""
+    mesh, body = eqn.params.get("mesh"), eqn.params.get("jaxpr")
+    try:
+        if int(np.prod(tuple(mesh.shape.values()))) != 1 or not hasattr(body, "eqns"):
+            return None
+    except Exception:  # noqa: BLE001 - an abstract or unknown mesh: keep the whole call as one op
+        return None
+    stack = [body]
+    while stack:
+        j = stack.pop()
+        for e in j.eqns:
+            if e.primitive.name in _COLLECTIVES:
+                return None
+            for v in e.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        stack.append(inner)
+    return body
+
+
 def _inner_jaxpr(eqn: Any) -> tuple[Any, list[Any]] | None:
     for key in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
         j = eqn.params.get(key)
@@ -198,8 +287,14 @@ class Interpreter:
     """Runs one capture: evaluates `traced` on concrete leaves and inputs, appending
     events to `log`."""
 
-    def __init__(self, traced: Traced, log: EventLog, leaf_addresses: list[str], leaf_is_param: list[bool]) -> None:
+    def __init__(self, traced: Traced, log: EventLog, leaf_addresses: list[str], leaf_is_param: list[bool],
+                 edit_plan: Any = None) -> None:
         self.t = traced
+        #: core's EditPlan of a live capture (`intervene=`, the rerun engine): event id -> edits,
+        #: applied to an event's outputs before any later equation reads them.
+        self.plan = edit_plan
+        self.edited: dict[int, tuple] = {}  # event id -> edited outputs (buffers and constants read later)
+        self.op_events: dict[int, OpEvent] = {}  # event id -> its OpEvent (value reads are noted on it)
         self.log = log
         self.addresses = leaf_addresses
         self.is_param = leaf_is_param
@@ -210,6 +305,8 @@ class Interpreter:
         self.exits: dict[int, ModuleExit] = {}
         self.materialized: dict[Any, tuple] = {}
         self._stack_cache: dict[int, tuple[tuple[str, int], ...]] = {}
+        self._inner_site: dict[int, int] = {}  # id(inner jaxpr) -> id of the first call equation evaluating it
+        self._stale = 0  # > 0 while evaluating a reused inner jaxpr (its markers are not this call's)
 
     # entry ------------------------------------------------------------------------------
     def run(self, leaves: list[Any], inputs: list[tuple[str, Any]]) -> list[tuple[Any, tuple]]:
@@ -220,6 +317,7 @@ class Interpreter:
             args.append((value, ("param", addr) if is_param else ("buffer", addr, value)))
         for path, value in inputs:
             eid = self.log.new_id()
+            value = self.edit(eid, (value,))[0]
             shape, dtype = shape_dtype(value)
             self.log.append(OpEvent(eid, "input", "input", outputs=(value,), shapes=(shape,), dtypes=(dtype,), path=path))
             self.chains[eid] = ()
@@ -231,6 +329,29 @@ class Interpreter:
             self._open(self.next_call)
         self._pop_to(-1)
         return outs
+
+    def _note_read(self, src: tuple, read: str) -> None:
+        """Control flow read a recorded value into Python (a cond's branch index, a while
+        loop's predicate): note it on the producing op (`meta["value_reads"]`), so a replay
+        whose edit changes what the read gives refuses (`replay_value_read_changed`) rather
+        than follow the branch the capture took."""
+        if src[0] != "ev":
+            return
+        ev = self.op_events.get(src[1])
+        if ev is None:
+            return
+        reads = set(ev.meta.get("value_reads", ()))
+        reads.add((src[2], read))
+        ev.meta["value_reads"] = tuple(sorted(reads))
+
+    def edit(self, eid: int, outs: tuple) -> tuple:
+        """`outs` with the live edits the plan holds for event `eid` applied (unchanged when
+        none): what the event records and what every later equation reads."""
+        if self.plan is None or eid not in self.plan:
+            return outs
+        new = tuple(self.plan.apply(eid, tuple(outs)))
+        self.edited[eid] = new
+        return new
 
     # module calls ---------------------------------------------------------------------------
     def _open(self, cid: int) -> None:
@@ -268,6 +389,8 @@ class Interpreter:
         return st
 
     def _call_of(self, eqn: Any, ctx: _Ctx) -> tuple[int, tuple[int, ...]]:
+        if self._stale:  # a reused inner jaxpr: its module markers belong to its first call site
+            return (ctx.scope[-1] if ctx.scope else 0), ctx.scope
         scope = ctx.scope + call_ids(eqn.source_info.name_stack)
         return (scope[-1] if scope else 0), scope
 
@@ -284,6 +407,7 @@ class Interpreter:
         value = src[2] if src[0] == "buffer" else src[1]
         value = value if isinstance(value, jax.Array) else jax.numpy.asarray(value)
         eid = self.log.new_id()
+        value = self.edit(eid, (value,))[0]
         kind = "buffer" if src[0] == "buffer" else "constant"
         shape, dtype = shape_dtype(value)
         self.log.append(OpEvent(eid, kind, kind, outputs=(value,), shapes=(shape,), dtypes=(dtype,),
@@ -326,13 +450,27 @@ class Interpreter:
             cid, scope = self._call_of(eqn, ctx)
             inner = _inner_jaxpr(eqn) if name in CALL_PRIMITIVES else None
             if inner is not None and len(inner[0].invars) == len(ins):
-                label = eqn.params.get("name")
+                label = eqn.params.get("name") or _composite_name(name, inner[0])
                 sub = _Ctx(scope, site, ctx.composites + ((str(label),) if label else ()), ctx.region)
-                outs = self._eval(inner[0], [(c, ("const", c)) for c in inner[1]], ins, sub)
+                # JAX caches traced functions: a jitted / rematerialized function called on two
+                # modules of one structure holds one inner jaxpr whose module markers name the
+                # first module. A second call site of that jaxpr is attributed to its caller.
+                stale = self._inner_site.setdefault(id(inner[0]), id(eqn)) != id(eqn) and _has_markers(inner[0])
+                self._stale += stale
+                try:
+                    outs = self._eval(inner[0], [(c, ("const", c)) for c in inner[1]], ins, sub)
+                finally:
+                    self._stale -= stale
             elif name == "cond":
                 outs = self._cond(eqn, ins, site, scope, ctx)
             elif name == "while":
                 outs = self._while(eqn, ins, site, scope, ctx)
+            elif name == "shard_map" and _one_device_body(eqn) is not None:
+                body = _one_device_body(eqn)
+                sub = _Ctx(scope, (site, "shard_map"), ctx.composites + ("shard_map",), ctx.region)
+                outs = self._eval(body, [], ins, sub)
+            elif name == "custom_linear_solve":
+                outs = self._linear_solve(eqn, ins, site, scope, ctx)
             elif name == "scan" and 0 < eqn.params["length"]:
                 outs = self._scan(eqn, ins, site, scope, ctx, cid)
             else:
@@ -373,6 +511,8 @@ class Interpreter:
                 ref = self._materialize(src, cid)
                 template.append(ArgRef(index=len(parents)))
                 parents.append((ref[1], ref[2]))
+                if kind != "ev" and ref[1] in self.edited:  # an edited buffer or constant: read its edited value
+                    vals[-1] = self.edited[ref[1]][ref[2]]
         out = run(*vals)
         outs = list(out) if multiple else [out]
         if ctx.composites:
@@ -380,23 +520,37 @@ class Interpreter:
             meta["composites"] = ctx.composites
         if ctx.region is not None:
             meta["region"] = ctx.region
-        sd = [shape_dtype(o) for o in outs]
         eid = self.log.new_id()
-        self.log.append(OpEvent(
+        outs = list(self.edit(eid, tuple(outs)))
+        sd = [shape_dtype(o) for o in outs]
+        ev = OpEvent(
             eid, "op", name, parents=tuple(parents), outputs=tuple(outs), shapes=tuple(s for s, _ in sd),
             dtypes=tuple(d for _, d in sd), module_stack=self._module_stack(cid), site=site,
-            params=tuple(dict.fromkeys(params)), multi_output=multiple, func=func, args_template=tuple(template), meta=meta))
+            params=tuple(dict.fromkeys(params)), multi_output=multiple, func=func, args_template=tuple(template), meta=meta)
+        self.op_events[eid] = ev
+        self.log.append(ev)
         self.chains[eid] = self.t.table.chain(cid)
         return [(o, ("ev", eid, i)) for i, o in enumerate(outs)]
 
     # control flow ------------------------------------------------------------------------------
     def _cond(self, eqn: Any, ins: list, site: Hashable, scope: tuple, ctx: _Ctx) -> list:
         index = int(np.asarray(ins[0][0]))
+        self._note_read(ins[0][1], "__int__")
         branches = eqn.params["branches"]
         index = min(max(index, 0), len(branches) - 1)
         branch = branches[index]
         sub = _Ctx(scope, (site, "cond", index), ctx.composites, {"kind": "cond", "branch": index})
         return self._eval(branch.jaxpr, [(c, ("const", c)) for c in branch.consts], ins[1:], sub)
+
+    def _linear_solve(self, eqn: Any, ins: list, site: Hashable, scope: tuple, ctx: _Ctx) -> list:
+        """`lax.custom_linear_solve` evaluates its `solve` jaxpr on its constants and the right-hand
+        side (what its impl runs); the solve's primitives are recorded one op each."""
+        lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+        start = lengths.matvec + lengths.vecmat
+        consts, b = ins[start:start + lengths.solve], ins[sum(lengths):]
+        solve = jaxprs.solve
+        sub = _Ctx(scope, (site, "linear_solve"), ctx.composites + ("custom_linear_solve",), ctx.region)
+        return self._eval(solve.jaxpr, [(c, ("const", c)) for c in solve.consts], consts + b, sub)
 
     def _while(self, eqn: Any, ins: list, site: Hashable, scope: tuple, ctx: _Ctx) -> list:
         p = eqn.params
@@ -410,8 +564,9 @@ class Interpreter:
                     f"a while_loop ran more than {MAX_UNROLL} iterations; the jax backend unrolls loops to record them",
                     remedy="trace a shorter loop, or raise torchlens_jax.interpret.MAX_UNROLL", primitive="while")
             region = {"kind": "while", "iteration": it}
-            pred = self._eval(cj.jaxpr, [(c, ("const", c)) for c in cj.consts], cconsts + carry,
-                              _Ctx(scope, (site, "while_cond"), ctx.composites, region))[0][0]
+            pred, pred_src = self._eval(cj.jaxpr, [(c, ("const", c)) for c in cj.consts], cconsts + carry,
+                                        _Ctx(scope, (site, "while_cond"), ctx.composites, region))[0]
+            self._note_read(pred_src, "__bool__")
             if not bool(np.asarray(pred)):
                 break
             carry = self._eval(bj.jaxpr, [(c, ("const", c)) for c in bj.consts], bconsts + carry,
@@ -435,7 +590,8 @@ class Interpreter:
             x_i = []
             for k, x in enumerate(xs):
                 fn = ScanSlice(i)
-                x_i += self._emit("scan_slice", fn, fn, [x], (site, "scan_slice", k), cid, step_ctx, {}, False)
+                x_i += self._emit("scan_slice", fn, fn, [x], (site, "scan_slice", k), cid, step_ctx,
+                                  {"scan_op": {"op": "slice", "index": i}}, False)
             outs = self._eval(body.jaxpr, [(c, ("const", c)) for c in body.consts], consts + carry + x_i, step_ctx)
             carry, ys = outs[:ncar], outs[ncar:]
             per_step.append(ys)
@@ -443,7 +599,8 @@ class Interpreter:
         for k in range(len(per_step[0]) if per_step else 0):
             fn = ScanStack(reverse)
             stacked += self._emit("scan_stack", fn, fn, [ys[k] for ys in per_step], (site, "scan_stack", k), cid,
-                                  _Ctx(scope, site, ctx.composites, {"kind": "scan"}), {}, False)
+                                  _Ctx(scope, site, ctx.composites, {"kind": "scan"}),
+                                  {"scan_op": {"op": "stack", "reverse": bool(reverse)}}, False)
         return list(carry) + stacked
 
     # module call inputs and outputs ----------------------------------------------------------

@@ -66,6 +66,7 @@ class Recorder:
     def __init__(self, table: CallTable) -> None:
         self.table = table
         self.addr_of: dict[int, str] = {}
+        self.keep: list[Any] = []  # objects named in addr_of during the trace (their ids stay theirs)
         self.stack: list[tuple[int, Any]] = []  # (call id, module object)
 
     @contextmanager
@@ -121,8 +122,53 @@ def module_scopes(modules: list[Any], recorder: Recorder) -> Iterator[None]:
             patched.append((cls, original_attr))
             setattr(cls, "__call__", _wrap(getattr(cls, "__call__")))
         _ACTIVE.recorder = recorder
-        yield
+        with _nnx_graph_paths(modules, recorder):
+            yield
     finally:
         _ACTIVE.recorder = None
         for cls, original_attr in reversed(patched):
             setattr(cls, "__call__", original_attr)
+
+
+@contextmanager
+def _nnx_graph_paths(modules: list[Any], recorder: Recorder) -> Iterator[None]:
+    """Keep nnx module identity through nnx transforms (`nnx.vmap`, `nnx.scan`, `nnx.remat`,
+    ...): they split a module into (graphdef, state) and merge a new object inside. While the
+    model traces, `graphlib.flatten` notes the address of each known module it splits (by the
+    graphdef object it returns) and `graphlib.unflatten` gives the merged object, and every
+    module under it, the address at the same graph path."""
+    if not any(type(m).__module__.startswith("flax.") or "flax" in {c.__module__.split(".")[0] for c in type(m).__mro__}
+               for m in modules):
+        yield
+        return
+    from flax import nnx
+    from flax.nnx import graphlib
+
+    flatten, unflatten = graphlib.flatten, graphlib.unflatten
+    split_of: dict[int, tuple[Any, str]] = {}  # id(graphdef) -> (graphdef kept alive, address)
+
+    def flatten_noting(node: Any, *args: Any, **kwargs: Any) -> Any:
+        out = flatten(node, *args, **kwargs)
+        address = recorder.addr_of.get(id(node))
+        if address is not None and isinstance(out, tuple) and out:
+            split_of[id(out[0])] = (out[0], address)
+        return out
+
+    def unflatten_naming(graphdef: Any, *args: Any, **kwargs: Any) -> Any:
+        node = unflatten(graphdef, *args, **kwargs)
+        hit = split_of.get(id(graphdef))
+        if hit is not None and hit[0] is graphdef:
+            base = hit[1]
+            for path, sub in nnx.iter_graph(node):
+                if isinstance(sub, nnx.Module) and id(sub) not in recorder.addr_of:
+                    rel = ".".join(str(p) for p in path)
+                    recorder.addr_of[id(sub)] = (base if base != "self" else "") + ("." if rel and base != "self" else "") + rel \
+                        if rel else base
+                    recorder.keep.append(sub)  # the id stays this object's while the model traces
+        return node
+
+    graphlib.flatten, graphlib.unflatten = flatten_noting, unflatten_naming
+    try:
+        yield
+    finally:
+        graphlib.flatten, graphlib.unflatten = flatten, unflatten

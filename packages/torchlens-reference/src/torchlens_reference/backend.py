@@ -30,8 +30,6 @@ from torchlens.backends.sdk import (
     apply_save,
     build_trace,
     check_requested_capabilities,
-    fill_template,
-    param_values,
     refusal_codes_for,
     save_plan,
 )
@@ -258,39 +256,10 @@ class ReferenceBackend:
         return trace
 
     def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
-        """Replay every op on its parents' saved values and compare with its saved output."""
-        from torchlens.backends.sdk import refuse_opaque
+        """Replay every op on its parents' saved values through core's replay engine and
+        compare with its saved output (the edit ops restore each op's recorded RNG state)."""
+        from torchlens.backends.sdk import replay_validate
+        from torchlens_reference.edit_ops import ReferenceEditOps
 
-        refuse_opaque(trace, trace.ops)  # a loaded op with no callable never runs
-        params = param_values(trace)
-        by_event = {o.event_id: o for o in trace.ops}
-        decisions = []
-        for op in trace.ops:
-            if op.kind != "op" or op.func is None:
-                continue
-            if not op.saved or any(not trace.ops[p].saved for p in op.parents):
-                return ValidationStatus(False, op.label, "parent_payload_missing", decisions)
-            def fill(ref: ArgRef, op: Any = op) -> Any:
-                if ref.address is not None:
-                    return params[ref.address]
-                eid, slot = op.parent_slots[ref.index]
-                return by_event[eid].outs[slot]
-
-            args = fill_template(tuple(op.args_template), fill)
-            state = op.meta.get("rng_state")
-            if state is not None:
-                from torchlens_reference import ops as _ops
-
-                saved_state = _ops.rng_state()
-                _ops.set_rng_state(state)
-                try:
-                    got = op.func(*args)
-                finally:
-                    _ops.set_rng_state(saved_state)
-            else:
-                got = op.func(*args)
-            ok = np.array_equal(np.asarray(got), op.out)
-            decisions.append({"op": op.label, "ok": ok, "reason": None if ok else "replay_mismatch"})
-            if not ok:
-                return ValidationStatus(False, op.label, "replay_mismatch", decisions)
-        return ValidationStatus(True, decisions=decisions)
+        return replay_validate(trace, ReferenceEditOps(),
+                               ground_truth=None if ground_truth is None else [np.asarray(g) for g in _leaves(ground_truth)])

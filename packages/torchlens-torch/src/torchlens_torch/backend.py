@@ -33,6 +33,8 @@ from torchlens.backends.sdk import (
 from torchlens_torch import __version__
 from torchlens_torch.concurrency import ThreadWatch, exclusive
 from torchlens_torch.describe import MODULE_INTERNALS, describe_model
+from torchlens_torch import module_attributes as _module_attributes
+from torchlens_torch import output_names as _output_names
 from torchlens_torch.interceptor import Recorder, _run_root, capture_mode, install_module_hooks, remove_module_hooks
 from torchlens_torch.plugin import FRAMEWORK
 from torchlens_torch.state import ModelStateSnapshot, ParamWriteGuard, RngSnapshot, seed_all
@@ -314,6 +316,7 @@ class _Capture:
         pos_names, kw_names = input_paths(self.args, self.kwargs)  # core's one convention: args[i], kwargs['k']
 
         desc = describe_model(root)
+        param_hash_quick = _param_hash_quick(root)
         scripted = [addr for addr, m in desc.modules if isinstance(m, torch.jit.ScriptModule)]
         if scripted:
             raise BackendUnsupportedError("torchscript_boundary",
@@ -350,7 +353,9 @@ class _Capture:
                    "outcome": "FAILED" if failure is not None else "COMPLETE",
                    "composites_expanded": rec.composite_seq, "nonfinite_events": list(rec.nonfinite_ops),
                    "owner_thread_id": rec.thread, "params_restored": params_restored,
-                   "thread_count_start": threads_start, "thread_count_end": threads_end, "model_object_id": id(root)},
+                   "thread_count_start": threads_start, "thread_count_end": threads_end, "model_object_id": id(root),
+                   "setup_duration": self._t_forward - t_start, "param_hash_quick": param_hash_quick,
+                   "records_requires_grad": True},
         )
         _flag_hygiene(provenance, rec, new_threads, unseen_param_writes)
         _note_compiled(provenance, desc)
@@ -365,6 +370,8 @@ class _Capture:
 
         trace = build_trace(desc.info, rec.log, output=output, provenance=provenance, options=options,
                             backend=self.backend)
+        _output_names.store(trace, getattr(self, "_output_names", None))
+        _module_attributes.snapshot(trace, desc.modules)  # module.custom_attributes (facets)
         trace.cost.forward_duration = forward_duration
         for addr, m in desc.modules:
             rec_m = trace._modules.get(addr)
@@ -375,7 +382,10 @@ class _Capture:
         trace.backend_state = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
         if rec.nonfinite_ops and opts.on_nonfinite == "warn":
             _warn_nonfinite(trace, rec.nonfinite_ops)
-        provenance.extra["build_duration"] = time.perf_counter() - t_end
+        t_done = time.perf_counter()
+        provenance.extra["build_duration"] = t_done - t_end
+        # from the forward's end to here: hooks removed, state restored, records built
+        provenance.extra["cleanup_duration"] = t_done - (self._t_forward + forward_duration)
         return trace
 
     def _forward(self, rec: Recorder, desc: Any, fn: Any, grad_ctx: Any) -> tuple:
@@ -401,9 +411,11 @@ class _Capture:
         failure: BaseException | None = None
         output = None
         rng_end = None
-        t_forward = time.perf_counter()
+        t_forward = self._t_forward = time.perf_counter()
         try:
             handles = install_module_hooks(rec)
+            handles.append(_output_names.install(rec))  # structural output names (facets), after rec's hooks
+            self._output_names = handles[-1]
             with watch, grad_ctx, mode:
                 output = _run_root(fn, self.args, self.kwargs)
         except Exception as exc:  # the forward raised: keep the prefix as a partial trace
@@ -438,6 +450,44 @@ class _Capture:
         if not torch.equal(rng_end, rec.rng_next):  # drawn after the last recorded random op
             rec.rng_unaccounted += 1
         return output, failure, writes, forward_duration, rng_at_forward, restored, unseen, watch.seen
+
+
+_HASH_SAMPLES = 16
+
+
+def sample_positions(n: int, k: int) -> list[int]:
+    """`min(n, k)` evenly spaced flat positions in [0, n), first and last included (exact
+    integer arithmetic: a float linspace rounds past the end above 2**24 elements)."""
+    if n <= k:
+        return list(range(n))
+    return [i * (n - 1) // (k - 1) for i in range(k)]
+
+
+def _param_hash_quick(root: nn.Module) -> str:
+    """sha256 hex over each parameter's address, shape, dtype, device and requires_grad and
+    up to `_HASH_SAMPLES` evenly spaced elements of it (read before the forward, no grad)."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in root.named_parameters():
+            h.update(json.dumps([name, list(p.shape), str(p.dtype), str(p.device), bool(p.requires_grad)]).encode())
+            n = p.numel()
+            if n == 0 or p.device.type == "meta":
+                continue
+            pos = sample_positions(n, _HASH_SAMPLES)
+            t = p.detach()
+            if t.device.type == "cpu" and t.is_contiguous():
+                try:  # a zero-copy NumPy view: no torch op per parameter
+                    h.update(t.numpy().reshape(-1)[pos].tobytes())
+                    continue
+                except (TypeError, RuntimeError):  # a dtype NumPy lacks (bfloat16, ...): the torch path
+                    pass
+            idx = torch.tensor(pos, dtype=torch.long, device=t.device)
+            sample = t.reshape(-1).index_select(0, idx).cpu().contiguous()
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _flag_hygiene(provenance: Provenance, rec: Recorder, new_threads: list[str], unseen_param_writes: list[str]) -> None:

@@ -46,7 +46,8 @@ def describe_model(root: nn.Module) -> ModelDescription:
     """Walk `root` once and build the description and the identity maps."""
     all_addrs: dict[int, list[str]] = {}
     order: list[tuple[str, nn.Module]] = []
-    for name, mod in root.named_modules(remove_duplicate=False):
+    walk = list(root.named_modules(remove_duplicate=False))
+    for name, mod in walk:
         addr = name or "self"
         lst = all_addrs.get(id(mod))
         if lst is None:
@@ -58,16 +59,26 @@ def describe_model(root: nn.Module) -> ModelDescription:
     modules = [ModuleInfo(a, type(m).__name__, type(m).__qualname__, None, tuple(all_addrs[id(m)]), bool(m.training))
                for a, m in order]
 
+    # one walk instead of two `named_parameters` walks: every module path of each parameter
+    # (a tie has several), then the parameters in `named_parameters()` order (first module
+    # occurrence, first path)
     params: list[ParamInfo] = []
     param_address: dict[int, str] = {}
-    paths: dict[int, list[str]] = {}  # every module path of each parameter (a tie has several)
-    for name, p in root.named_parameters(remove_duplicate=False):
-        paths.setdefault(id(p), []).append(name)
-    for name, p in root.named_parameters(remove_duplicate=True):
-        owner, _, pname = name.rpartition(".")
-        param_address[id(p)] = name
-        params.append(ParamInfo(name, owner or "self", pname, tuple(p.shape), dtype_name(p.dtype), bool(p.requires_grad),
-                                p, str(p.device), tuple(a for a in paths[id(p)] if a != name)))
+    paths: dict[int, list[str]] = {}
+    for name, mod in walk:
+        prefix = name + "." if name else ""
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                paths.setdefault(id(p), []).append(prefix + pname)
+    for addr, mod in order:
+        prefix = "" if addr == "self" else addr + "."
+        for pname, p in mod._parameters.items():
+            if p is None or id(p) in param_address:
+                continue
+            name = prefix + pname
+            param_address[id(p)] = name
+            params.append(ParamInfo(name, addr, pname, tuple(p.shape), dtype_name(p.dtype), bool(p.requires_grad),
+                                    p, str(p.device), tuple(a for a in paths[id(p)] if a != name)))
 
     buffers: list[BufferInfo] = []
     buffer_address: dict[int, str] = {}
@@ -99,7 +110,12 @@ def describe_model(root: nn.Module) -> ModelDescription:
     return ModelDescription(info, module_address, order, param_address, buffer_address, held)
 
 
+_LEAF_TYPES = frozenset({str, bytes, int, float, bool, type(None), torch.dtype, torch.device})
+
+
 def _collect_held(address: str, value: Any, depth: int, out: list, params: dict, buffers: dict, no_tensors: set) -> None:
+    if type(value) in _LEAF_TYPES:
+        return  # most module attributes
     if isinstance(value, torch.Tensor):
         if id(value) not in params and id(value) not in buffers and not any(value is t for _, t in out):
             out.append((address, value))

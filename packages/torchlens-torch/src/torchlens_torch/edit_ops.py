@@ -15,6 +15,13 @@ import torch
 class TorchEditOps:
     """The tensor math core's edit helpers run through (`backend.edit_ops()`)."""
 
+    def arm_gradient_edits(self, trace: Any, labels: list[str], apply: Any) -> list[str]:
+        """`engine="set_only"` gradient rules on the kept backward graph (core's
+        `GradientArmingOps`): see `torchlens_torch.grad_arming`."""
+        from torchlens_torch.grad_arming import arm_gradient_edits
+
+        return arm_gradient_edits(trace, labels, apply)
+
     def zeros_like(self, x: Any) -> Any:
         return torch.zeros_like(x)
 

@@ -17,7 +17,11 @@ producing op (`meta["value_reads"]`), so replay can refuse past a data-dependent
 
 The per-op handler (`CaptureMode.__torch_function__`) is the hot path: a cached per-callable
 `FuncInfo`, one call, a type check, and for tensor results a short walk over the arguments
-and the Python frames up to the innermost module call (the call site key). When dynamo is
+and the Python frames up to the innermost module call (the call site key). Most calls take
+the lean path (`FuncInfo.simple` under `CaptureMode.lean`: no write, no random draw, no edit
+plan, budget, gradient store or non-finite check) through `Recorder.record_one`, which makes
+the same event `Recorder.record` would; Python's cyclic collector is paused while the mode
+is active (`concurrency.GcPause`): a capture makes a few small objects per op. When dynamo is
 loaded the handler and hooks are kept out of it (`capture_mode`): compiled regions run eagerly
 op by op under the capture.
 """
@@ -37,9 +41,10 @@ from torch.overrides import TorchFunctionMode
 from torchlens.backends.sdk import ArgRef, EventLog, ModuleEnter, ModuleExit, OpEvent, SaveBudgetExceededError
 
 from torchlens_torch.composites import composite_table
+from torchlens_torch.concurrency import GcPause
 from torchlens_torch.costs import COST_FUNCS
 from torchlens_torch.describe import ModelDescription
-from torchlens_torch.values import dtype_name, iter_leaves
+from torchlens_torch.values import _DTYPE_NAMES, dtype_name, iter_leaves
 
 Tensor = torch.Tensor
 
@@ -82,6 +87,13 @@ _VALUE_READS = frozenset({"item", "tolist", "__int__", "__index__", "__float__",
 _NOTES: dict[Any, dict[str, str]] = {torch.autograd.grad: {"replay_unsupported": "autograd_grad"}}
 
 
+def _has_tensor(items: Any) -> bool:
+    for b in items:
+        if isinstance(b, Tensor):
+            return True
+    return False
+
+
 def _hashable(func: Any) -> bool:
     try:
         hash(func)
@@ -94,7 +106,7 @@ class FuncInfo:
     """What the handler needs to know about one callable, computed once per callable."""
 
     __slots__ = ("name", "passthrough", "inplace", "may_inplace", "inplace_index", "hidden_write", "random", "cost",
-                 "composite", "may_write", "data_set", "value_read", "note")
+                 "composite", "may_write", "data_set", "value_read", "note", "simple")
 
     def __init__(self, func: Any, composites: dict) -> None:
         name = getattr(func, "__name__", None) or type(func).__name__
@@ -127,6 +139,10 @@ class FuncInfo:
         # facts every op of this callable carries in `meta` (None: none)
         self.note = _NOTES.get(func) if _hashable(func) else None
         self.composite = composites.get(func) if inspect.isfunction(func) else None
+        # the handler's fast path: a call that writes nothing it is told of, draws no random
+        # numbers (SDPA may: its dropout_p is read per call) and is not expanded
+        self.simple = not (self.passthrough or self.composite is not None or self.may_write or self.data_set
+                           or self.random or name == "scaled_dot_product_attention")
 
 
 def _sdpa_draws(args: tuple, kwargs: dict) -> bool:
@@ -157,6 +173,50 @@ _STOP_CODES = frozenset(id(c) for c in (
     *(c for c in _nn_module.Module._call_impl.__code__.co_consts if inspect.iscode(c)),
 ))
 _MAX_SITE_FRAMES = 24
+
+
+def _call_site(f: Any) -> tuple:
+    """The call-site key of a call made from frame `f`: (code id, instruction offset) of each
+    frame between it and the innermost module call (or the traced root). A code object met
+    again (recursion) keeps only its innermost frame, so the same place reached at another
+    recursion depth is another pass, not another layer. Code objects by id: one that dynamo
+    builds can hold an unhashable constant."""
+    stop = _STOP_CODES
+    cid = id(f.f_code)
+    if cid in stop:
+        return ()
+    g = f.f_back
+    if g is None or id(g.f_code) in stop:  # the common case: called from a module's forward
+        return (cid, f.f_lasti)
+    site: list = []
+    codes: list = []
+    for _ in range(_MAX_SITE_FRAMES):
+        if f is None:
+            break
+        cid = id(f.f_code)
+        if cid in stop:
+            break
+        if cid not in codes:
+            codes.append(cid)
+            site.append(cid)
+            site.append(f.f_lasti)
+        f = f.f_back
+    return tuple(site)
+
+
+#: Values that hold no tensor (`Recorder.flush_reachable` skips them at once).
+_LEAF_TYPES = frozenset({str, bytes, int, float, bool, type(None), torch.dtype, torch.device, torch.Size})
+
+#: The handler's `kwargs` when torch passes none (read only, never stored or changed).
+_NO_KWARGS: dict = {}
+
+#: `ArgRef(i)` for small i: argument templates share these (ArgRef is frozen, equal by value).
+_REFS: tuple[ArgRef, ...] = tuple(ArgRef(i) for i in range(64))
+
+
+def _ref(i: int) -> ArgRef:
+    return _REFS[i] if i < 64 else ArgRef(i)
+
 
 #: Per-callable facts, shared by every capture of the process (they never change).
 _FUNC_INFOS: dict[Any, "FuncInfo"] = {}
@@ -224,6 +284,7 @@ class Recorder:
         self.value_reads: dict[int, set] = {}
         # event id -> buffer addresses the forward rebound to that op's output
         self.buffer_rebinds: dict[int, list[str]] = {}
+        self.param_refs: dict[str, ArgRef] = {}  # address -> its ArgRef (shared by the templates)
 
     # sources ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -297,24 +358,34 @@ class Recorder:
         tag = self.tags.get(id(a))
         if tag is not None:
             parents.append(tag)
-            return ArgRef(len(parents) - 1)
+            return _ref(len(parents) - 1)
         addr = self.param_address.get(id(a))
         if addr is not None and id(a) not in self.params_written:
             params.append(addr)
-            return ArgRef(-1, addr)
+            ref = self.param_refs.get(addr)
+            if ref is None:
+                ref = self.param_refs[addr] = ArgRef(-1, addr)
+            return ref
         self._resolve(a, parents, params)
-        return ArgRef(len(parents) - 1)
+        return _ref(len(parents) - 1)
 
     def _resolve_args(self, args: tuple, kwargs: dict) -> tuple[list, list, tuple, dict]:
         """Parents, parameters read, and the argument templates replay fills back in."""
         parents: list = []
         params: list = []
         targs: list = []
+        tags = self.tags
         arg = self._arg
         for a in args:
             if isinstance(a, Tensor):
-                targs.append(arg(a, parents, params))
-            elif (type(a) is list or type(a) is tuple) and a and any(isinstance(b, Tensor) for b in a):
+                tag = tags.get(id(a))
+                if tag is not None:  # the common case, inline: an op's output
+                    parents.append(tag)
+                    n = len(parents)
+                    targs.append(_REFS[n - 1] if n <= 64 else ArgRef(n - 1))
+                else:
+                    targs.append(arg(a, parents, params))
+            elif (type(a) is list or type(a) is tuple) and a and _has_tensor(a):
                 targs.append(type(a)(arg(b, parents, params) if isinstance(b, Tensor) else b for b in a))
             else:
                 targs.append(a)
@@ -323,7 +394,7 @@ class Recorder:
             for k, a in kwargs.items():
                 if isinstance(a, Tensor):
                     tkwargs[k] = arg(a, parents, params)
-                elif (type(a) is list or type(a) is tuple) and a and any(isinstance(b, Tensor) for b in a):
+                elif (type(a) is list or type(a) is tuple) and a and _has_tensor(a):
                     tkwargs[k] = type(a)(arg(b, parents, params) if isinstance(b, Tensor) else b for b in a)
                 else:
                     tkwargs[k] = a
@@ -436,6 +507,86 @@ class Recorder:
             self._register_grad_hooks(eid, outs)
         if self.check_nonfinite is not None:
             self._check_nonfinite(eid, info.name, outs, meta)
+        return out
+
+    def record_one(self, func: Any, info: FuncInfo, args: tuple, kwargs: dict, out: Tensor, duration: float,
+                   site: tuple) -> Tensor:
+        """`record` for the common case, kept short (it runs once per op): one tensor output
+        of a call that writes nothing it is told of and draws no random numbers, under a
+        capture without an edit plan, save budget, gradient store or non-finite check
+        (`CaptureMode.lean`). Makes the same event `record` makes."""
+        if kwargs:
+            parents, params, targs, tkwargs = self._resolve_args(args, kwargs)
+        else:  # `_resolve_args` for positional arguments, inline
+            parents = []
+            params = []
+            targs = []
+            tags = self.tags
+            for a in args:
+                if isinstance(a, Tensor):
+                    tag = tags.get(id(a))
+                    if tag is not None:
+                        parents.append(tag)
+                        n = len(parents)
+                        targs.append(_REFS[n - 1] if n <= 64 else ArgRef(n - 1))
+                    else:
+                        targs.append(self._arg(a, parents, params))
+                elif (type(a) is list or type(a) is tuple) and a and _has_tensor(a):
+                    arg = self._arg
+                    targs.append(type(a)(arg(b, parents, params) if isinstance(b, Tensor) else b for b in a))
+                else:
+                    targs.append(a)
+            targs = tuple(targs)
+            tkwargs = {}
+        eid = self.next_id
+        self.next_id = eid + 1
+        cow = self.cow_ref
+        saved = self.save_payloads
+        if cow is not None:
+            payload = cow(out)
+        elif saved:
+            payload = self.save_fn(out)
+        else:
+            payload = None
+        meta: dict[str, Any] = {"duration_s": duration}
+        if out.requires_grad:
+            meta["requires_grad"] = (True,)
+        cost_fn = info.cost
+        if cost_fn is not None:
+            try:
+                cost = cost_fn(args, kwargs, (out,))
+            except (AttributeError, IndexError, TypeError, ValueError):
+                cost = None
+            if cost is not None:
+                meta["flops"], meta["macs"] = cost
+        if self.composite is not None:
+            meta["composite"] = self.composite
+        if info.note is not None:
+            meta.update(info.note)
+        k = id(out)
+        # a parameter or buffer passed through unchanged keeps its identity, and so does a
+        # tensor a no-op call returned as itself: its later readers still read its producer
+        if not (k in self.param_address or k in self.buffer_address or (args and out is args[0])):
+            self.tags[k] = (eid, 0)
+            self.keep.append(out)
+        dtype = out.dtype
+        ev = OpEvent(eid, "op", info.name, tuple(parents), (payload,), (tuple(out.shape),),
+                     (_DTYPE_NAMES.get(dtype) or dtype_name(dtype),), self.stack, site, tuple(params), None, saved,
+                     False, func, targs, tkwargs, False, meta)
+        self.events.append(ev)
+        if cow is not None:
+            self.op_events[eid] = ev
+            try:
+                ptr = out.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError, TypeError):  # no plain storage: copy now
+                self._materialize(ev, 0, out, out._version)
+                return out
+            entry = (ev, 0, out, out._version)
+            lst = self.pending.get(ptr)
+            if lst is None:
+                self.pending[ptr] = [entry]
+            else:
+                lst.append(entry)
         return out
 
     def _register_grad_hooks(self, eid: int, outs: tuple) -> None:
@@ -559,8 +710,11 @@ class Recorder:
     def flush_reachable(self, obj: Any, depth: int = 0, seen: set | None = None) -> None:
         """Copy the pending payloads of every tensor reachable from `obj` (containers and
         plain objects' attributes, a few levels deep): what outlives the forward."""
-        if not self.pending:
-            return
+        t = type(obj)
+        if t in _LEAF_TYPES or not self.pending:
+            return  # most module attributes: a number, a flag, a name
+        if t is tuple and _LEAF_TYPES.issuperset(map(type, obj)):
+            return  # a tuple of them (a Conv2d's kernel_size)
         if seen is None:
             seen = set()
         if isinstance(obj, Tensor):
@@ -690,7 +844,11 @@ class Recorder:
         self.call_counts[addr] = n
         self.stack = self.stack + ((addr, n),)
         tags = self.tags
-        ids = tuple(tags[id(t)] for _, t in iter_leaves(args, "") if id(t) in tags)
+        if len(args) == 1 and isinstance(args[0], Tensor):  # the common call: one tensor in
+            tag = tags.get(id(args[0]))
+            ids = (tag,) if tag is not None else ()
+        else:
+            ids = tuple(tags[id(t)] for _, t in iter_leaves(args, "") if id(t) in tags)
         ev = ModuleEnter(addr, n, ids)
         self.events.append(ev)
         self.enter_events[(addr, n)] = ev
@@ -756,14 +914,47 @@ class CaptureMode(TorchFunctionMode):
     def __init__(self, recorder: Recorder) -> None:
         super().__init__()
         self.rec = recorder
+        # the recorder's options are fixed by now: whether `Recorder.record_one` may record
+        self.lean = (recorder.edit_plan is None and recorder.budget is None and recorder.grad_store is None
+                     and recorder.check_nonfinite is None)
+        self.gc_pause = GcPause()  # no collector passes over the capture's many small objects
+
+    def __enter__(self) -> "CaptureMode":
+        self.gc_pause.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self.gc_pause.__exit__()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.gc_pause.__exit__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: C901 - the hot path, kept flat
         rec = self.rec
-        info = rec.infos.get(func)
+        info = _FUNC_INFOS.get(func)
         if info is None:
             info = rec.func_info(func)
         if kwargs is None:
-            kwargs = {}
+            kwargs = _NO_KWARGS
+        if info.simple and self.lean and "out" not in kwargs:
+            # the fast path: most calls of a forward (see `Recorder.record_one`)
+            t0 = perf_counter()
+            out = func(*args, **kwargs)
+            duration = perf_counter() - t0
+            if isinstance(out, Tensor):
+                f = sys._getframe(1)
+                cid = id(f.f_code)
+                g = f.f_back
+                if cid not in _STOP_CODES and (g is None or id(g.f_code) in _STOP_CODES):
+                    site = (cid, f.f_lasti)  # `_call_site`'s common case, inline
+                else:
+                    site = _call_site(f)
+                return rec.record_one(func, info, args, kwargs, out, duration, site)
+            return self._finish(func, info, args, kwargs, out, duration, None, None, None)
         if info.passthrough:
             if info.value_read and args:
                 rec.note_value_read(args[0], info.name)
@@ -795,14 +986,19 @@ class CaptureMode(TorchFunctionMode):
             t0 = perf_counter()
             out = func(*args, **kwargs)
             duration = perf_counter() - t0
+        return self._finish(func, info, args, kwargs, out, duration, pre, view_base, rng)
+
+    def _finish(self, func: Any, info: FuncInfo, args: tuple, kwargs: dict, out: Any, duration: float, pre: Any,
+                view_base: Any, rng: Any) -> Any:
+        """After the call: record its tensor outputs (and a write through a view)."""
+        rec = self.rec
         if isinstance(out, Tensor):
             outs = (out,)
             multi = False
         elif info.name == "__setitem__" and args and isinstance(args[0], Tensor):
             outs = (args[0],)
             multi = False
-        elif (type(out) is tuple or type(out) is list or isinstance(out, tuple)) and out and any(
-                isinstance(o, Tensor) for o in out):
+        elif (type(out) is tuple or type(out) is list or isinstance(out, tuple)) and out and _has_tensor(out):
             outs = tuple(out)
             multi = True
         else:
@@ -813,29 +1009,12 @@ class CaptureMode(TorchFunctionMode):
                 inplace = True
             elif info.may_inplace:
                 inplace = _inplace_flag(info, args, kwargs) and bool(args) and outs[0] is args[0]
-        # call site: the frames between this call and the innermost module call. A code
-        # object met again (recursion) keeps only its innermost frame, so the same place
-        # reached at another recursion depth is another pass, not another layer.
-        f = sys._getframe(1)
-        site: list = []
-        codes: list = []
-        stop = _STOP_CODES
-        for _ in range(_MAX_SITE_FRAMES):
-            if f is None:
-                break
-            cid = id(f.f_code)  # by id: a code object dynamo builds can hold an unhashable constant
-            if cid in stop:
-                break
-            if cid not in codes:
-                codes.append(cid)
-                site.append(cid)
-                site.append(f.f_lasti)
-            f = f.f_back
+        site = _call_site(sys._getframe(2))
         if view_base is None:
-            return rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, tuple(site))
-        result = rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, tuple(site))
+            return rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, site)
+        result = rec.record(func, info, args, kwargs, out, outs, multi, inplace, pre, duration, rng, site)
         if inplace:
-            rec.record_view_write(args[0], view_base, tuple(site))
+            rec.record_view_write(args[0], view_base, site)
         return result
 
     def _run_composite(self, info: FuncInfo, args: tuple, kwargs: dict) -> Any:

@@ -51,3 +51,12 @@ def torchlens_backends() -> list[BackendSpec]:
         description="PyTorch eager capture through TorchFunctionMode and module forward hooks",
         package="torchlens-torch",
     )]
+
+
+@torchlens.hookimpl
+def torchlens_facet_recipes() -> list[Any]:
+    """The built-in torch facet recipes (attention, residual block, MLP, LM and classifier heads); imported only when
+    TorchLens first asks for facet recipes (the first facet access); torch-free to import."""
+    from torchlens_torch.recipes import RECIPES
+
+    return list(RECIPES)

@@ -11,6 +11,7 @@ Under `carry_state=True` only the random streams are restored.
 
 from __future__ import annotations
 
+import operator
 import random
 import sys
 from typing import Any
@@ -115,19 +116,33 @@ class ModelStateSnapshot:
 
     def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
         self.entries: list[tuple[nn.Module, dict, dict, dict, dict, dict]] = []
+        # per entry: the module's attribute keys, and its plain attributes' keys and values, for
+        # `_untouched` (a C-level check that the forward added, removed and rebound nothing)
+        self.shapes: list[tuple[Any, tuple, tuple]] = []
         for _, m in modules:
             attrs: dict[str, Any] = {}
             containers: dict[str, Any] = {}
-            for k, v in m.__dict__.items():
+            d = m.__dict__
+            for k, v in d.items():
                 if k in MODULE_INTERNALS and k != "training":
                     continue
                 attrs[k] = v
-                if isinstance(v, torch.Tensor) or type(v) in (list, dict, set) or (
-                        type(v) is tuple and not _atomic_tuple(v)):
+                t = type(v)
+                if t in _ATOMS:
+                    continue
+                if isinstance(v, torch.Tensor) or t in (list, dict, set) or (t is tuple and not _atomic_tuple(v)):
                     containers[k] = _snap_container(v)
             buffers = {k: (b, None if b is None else b.detach().clone(), None if b is None else b._version)
                        for k, b in m._buffers.items()}
             self.entries.append((m, attrs, containers, dict(m._parameters), buffers, dict(m._modules)))
+            self.shapes.append((set(d), tuple(attrs), tuple(attrs.values())))
+
+    @staticmethod
+    def _untouched(d: dict, shape: tuple[Any, tuple, tuple]) -> bool:
+        """The module's `__dict__` has the snapshot's keys and each plain attribute is the
+        same object (builtin containers may still have changed in place)."""
+        keys, attr_keys, attr_vals = shape
+        return d.keys() == keys and all(map(operator.is_, map(d.__getitem__, attr_keys), attr_vals))
 
     def writes(self) -> dict[int, dict[str, Any]]:
         """id(module) -> {attribute: AttributeWrite} for what the forward wrote (read before
@@ -136,9 +151,17 @@ class ModelStateSnapshot:
         from torchlens.backends.sdk import AttributeWrite
 
         out: dict[int, dict[str, Any]] = {}
-        for m, attrs, containers, _params, _buffers, _submods in self.entries:
+        untouched = self._untouched
+        for (m, attrs, containers, _params, _buffers, _submods), shape in zip(self.entries, self.shapes):
             d = m.__dict__
             w: dict[str, Any] = {}
+            if untouched(d, shape):  # only builtin containers and tensors can have changed
+                for k, snap in containers.items():
+                    v = attrs[k]
+                    if _changed(v, snap):
+                        w[k] = AttributeWrite("replaced", _copy(v))
+                out[id(m)] = w
+                continue
             for k, v in d.items():
                 if k not in attrs and k not in MODULE_INTERNALS:
                     w[k] = AttributeWrite("added", v)
@@ -154,24 +177,18 @@ class ModelStateSnapshot:
         return out
 
     def restore(self) -> None:
-        for m, attrs, containers, params, buffers, submods in self.entries:
+        untouched = self._untouched
+        for (m, attrs, containers, params, buffers, submods), shape in zip(self.entries, self.shapes):
             d = m.__dict__
-            for k in [k for k in d if k not in attrs and k not in MODULE_INTERNALS]:
-                del d[k]  # added by the forward
-            for k, v in attrs.items():
-                cur = d.get(k, _MISSING)
-                if cur is not v:
-                    d[k] = v if k not in containers or type(v) not in (list, dict, set) else _restore_in_place(v, containers[k])
-                    if isinstance(v, torch.Tensor):
-                        _rebuild(containers[k])
-                elif k in containers:
-                    snap = containers[k]
-                    if isinstance(v, torch.Tensor):
-                        _rebuild(snap)
-                    elif type(v) in (list, dict, set):
+            if untouched(d, shape):  # nothing added, removed or rebound: put containers back
+                for k, snap in containers.items():
+                    v = attrs[k]
+                    if type(v) in (list, dict, set):
                         _restore_in_place(v, snap)
                     else:
-                        _rebuild(snap)  # a tuple: restore tensors inside it
+                        _rebuild(snap)  # a tensor, or a tuple: restore tensors inside it
+            else:
+                _restore_attrs(d, attrs, containers)
             _restore_dict(m._parameters, params)
             _restore_dict(m._modules, submods)
             for k in [k for k in m._buffers if k not in buffers]:
@@ -180,7 +197,27 @@ class ModelStateSnapshot:
                 if m._buffers.get(k, _MISSING) is not b:
                     m._buffers[k] = b
                 if b is not None:
-                    _write_back(b, clone)
+                    _write_back(b, clone, version)
+
+
+def _restore_attrs(d: dict, attrs: dict, containers: dict) -> None:
+    """Undo the attributes the forward added, removed or rebound, and changed containers."""
+    for k in [k for k in d if k not in attrs and k not in MODULE_INTERNALS]:
+        del d[k]  # added by the forward
+    for k, v in attrs.items():
+        cur = d.get(k, _MISSING)
+        if cur is not v:
+            d[k] = v if k not in containers or type(v) not in (list, dict, set) else _restore_in_place(v, containers[k])
+            if isinstance(v, torch.Tensor):
+                _rebuild(containers[k])
+        elif k in containers:
+            snap = containers[k]
+            if isinstance(v, torch.Tensor):
+                _rebuild(snap)
+            elif type(v) in (list, dict, set):
+                _restore_in_place(v, snap)
+            else:
+                _rebuild(snap)  # a tuple: restore tensors inside it
 
 
 def _changed(current: Any, snap: Any, depth: int = 0) -> bool:
@@ -217,21 +254,31 @@ def _copy(value: Any, depth: int = 0) -> Any:
 
 
 def _restore_dict(current: dict, saved: dict) -> None:
+    if current.keys() == saved.keys() and all(map(operator.is_, current.values(), saved.values())):
+        return  # (the common case, checked in C)
     if current.keys() == saved.keys() and all(current[k] is v for k, v in saved.items()):
         return
     current.clear()
     current.update(saved)
 
 
-def _write_back(t: torch.Tensor, clone: torch.Tensor) -> None:
+def _write_back(t: torch.Tensor, clone: torch.Tensor, version: int | None = None) -> None:
     """Copy the snapshot back where the bytes changed. Version counters are not enough:
-    kernels such as batch_norm update running statistics without bumping them."""
+    kernels such as batch_norm update running statistics without bumping them.
+
+    When `version` (the counter at snapshot time) still matches, the change was invisible to
+    autograd (batch_norm's running statistics), so the bytes go back through `.data` without a
+    bump: a graph kept for `trace.backward` that saved the buffer stays usable. A change autograd
+    saw (an explicit in-place write) is restored with a bump, so a graph that saved the written
+    value refuses loudly instead of differentiating through restored bytes."""
     same_kind = t.shape == clone.shape and t.dtype == clone.dtype and t.device == clone.device
     if same_kind and torch.equal(t, clone):
         return  # (a NaN makes equal() False: such a buffer is simply written back)
     with torch.no_grad():
         if not same_kind:  # `.data` was rebound to another shape, dtype or device
             t.data = clone
+        elif version is not None and t._version == version:
+            t.data.copy_(clone)
         else:
             t.copy_(clone)
 

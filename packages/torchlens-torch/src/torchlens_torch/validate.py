@@ -1,4 +1,7 @@
-"""Replay validation of a torch trace.
+"""Replay validation of a torch trace, on core's one per-op replay engine (`replay_validate`:
+the walk over the ops, the argument filling, the preflight refusals and the typed failures).
+This module supplies the torch side: `TorchReplayOps` (grad mode, RNG state, argument
+protection, comparison rules) and `_Perturbation` (the per-op perturbation check).
 
 For each recorded op: (a) call its recorded callable on its saved parent values, parameters
 and literals (its argument template) under its recorded RNG state, and compare with the
@@ -17,11 +20,12 @@ blanket skip. Every op is checked: the status names the first failure and counts
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-from torchlens.backends.sdk import ValidationStatus, ArgRef, fill_template
+from torchlens.backends.sdk import ArgRef, ReplayOpsBase, ValidationStatus, replay_validate
 from torchlens_torch import validate_rules as R
 
 #: callables whose output does not depend on the values of the listed argument positions
@@ -56,68 +60,64 @@ class ThreadPin:
         return False
 
 
-def _template_indices(template: Any) -> set[int]:
-    if isinstance(template, ArgRef):
-        return {template.index} if template.address is None else set()
-    if type(template) in (tuple, list):
-        return set().union(*(_template_indices(t) for t in template)) if template else set()
-    if type(template) is dict:
-        return set().union(*(_template_indices(t) for t in template.values())) if template else set()
-    return set()
+class TorchReplayOps(ReplayOpsBase):
+    """The torch side of core's replay engine for validation: replay in the capture's grad
+    mode, under the op's recorded CPU RNG state, on arguments it may write into, and compare
+    bit for bit unless a rule of `validate_rules.comparison` says otherwise."""
 
-
-def _outs(op: Any, out: Any, args: tuple) -> tuple:
-    if op.func_name == "__setitem__":
-        return (args[0],)
-    if op.multi_output:
-        return tuple(out)
-    return (out,)
-
-
-class _Replayer:
     def __init__(self, trace: Any) -> None:
-        self.trace = trace
-        self.ev2op = {o.event_id: o for o in trace._ops.values()}
         # replay in the capture's grad mode: some kernels (LSTM) take other paths without grad
         self.grad = not bool(getattr(trace.options, "inference_only", False))
+        self.ev2op = {o.event_id: o for o in trace._ops.values()}
 
-    def parent_value(self, op: Any, ref: ArgRef) -> Any:
-        if ref.address is not None:
-            rec = self.trace._params.get(ref.address) or self.trace._buffers.get(ref.address)
-            return None if rec is None else rec.value
-        eid, slot = op.parent_slots[ref.index]
-        parent = self.ev2op[eid]
-        if not parent.saved:
-            return None
-        v = parent.outs[slot]
+    def parent_value(self, op: Any, ref: ArgRef, v: Any) -> Any:
         if self.grad and isinstance(v, torch.Tensor) and not v.requires_grad and v.is_floating_point():
-            rg = parent.meta.get("requires_grad")
+            eid, slot = op.parent_slots[ref.index]
+            rg = self.ev2op[eid].meta.get("requires_grad")
             if rg is not None and slot < len(rg) and rg[slot]:
                 v = v.detach().requires_grad_(True)  # a loaded payload lost its graph: kernels pick paths by it
         return v
 
-    def run(self, op: Any, override: dict[Any, Any] | None = None) -> tuple:
-        """Re-execute `op` on its saved values; `override` replaces parents (by parent
-        index) or parameters and buffers (by address)."""
-        def fill(ref: ArgRef) -> Any:
-            if override is not None:
-                key = ref.index if ref.address is None else ref.address
-                if key in override:
-                    return override[key]
-            v = self.parent_value(op, ref)
-            return v
+    def replay_args(self, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return safe_replay_args(op, args, kwargs)
 
-        args, kwargs = safe_replay_args(op, fill_template(op.args_template, fill), fill_template(op.kwargs_template or {}, fill))
-        state = op.meta.get("rng_state")
+    @contextlib.contextmanager
+    def rng_state(self, state: Any) -> Any:
         saved_state = torch.get_rng_state()
         try:
             if state is not None:
                 torch.set_rng_state(state)
-            with torch.set_grad_enabled(self.grad):
-                out = op.func(*args, **kwargs)
+            yield
         finally:
             torch.set_rng_state(saved_state)
-        return _outs(op, out, args)
+
+    def call(self, op: Any, args: tuple, kwargs: dict) -> Any:
+        with torch.set_grad_enabled(self.grad):
+            return op.func(*args, **kwargs)
+
+    def outputs(self, op: Any, out: Any, args: tuple) -> tuple:
+        if op.func_name == "__setitem__":
+            return (args[0],)
+        if op.multi_output:
+            return tuple(out)
+        return (out,)
+
+    def equal(self, a: Any, b: Any) -> bool:
+        return R.same_bits(a, b)
+
+    def compare(self, trace: Any, op: Any, got: tuple, want: tuple) -> tuple[str | None, str, dict[str, Any]]:
+        mode, compare, record = R.comparison(trace, op)
+        if len(got) != len(want) or not all(compare(g, w) for g, w in zip(got, want) if w is not None or g is not None):
+            if mode == "tolerance" and len(got) == len(want) and all(R.same_meta(g, w) for g, w in zip(got, want)):
+                return "dtype_tolerance_exceeded", (f"re-executing {op.func_name} eagerly differs from {op.label} by more "
+                                                    f"than {R.COMPILED_ULPS} epsilons"), {"compared": mode, **record}
+            return "replay_mismatch", f"re-executing {op.func_name} did not reproduce {op.label}", {}
+        fields: dict[str, Any] = {}
+        if mode != "bits":
+            fields.update(compared=mode, **record)
+            if mode == "tolerance":
+                fields["bit_exact"] = all(R.same_bits(g, w) for g, w in zip(got, want))
+        return None, "", fields
 
 
 #: ops that write into arguments other than the receiver: positions to clone before replay.
@@ -184,107 +184,21 @@ def _tensor_refs(template: Any) -> list[ArgRef]:
     return []
 
 
-def _unencodable(template: Any) -> Any:
-    """The first `tl.types.UnencodableValue` stand-in in a loaded argument template, or None."""
-    from torchlens.backends.sdk import UnencodableValue
+class _Perturbation:
+    """Torch's per-op check after a replay matched (core's `replay_validate` runs the rest):
+    perturb each floating-point parent and check the output moves, or name the rule that
+    excuses it. Re-executions go through the engine (`v.engine.run`)."""
 
-    if isinstance(template, UnencodableValue):
-        return template
-    items = template.values() if type(template) is dict else template if type(template) in (tuple, list) else ()
-    for t in items:
-        found = _unencodable(t)
-        if found is not None:
-            return found
-    return None
+    def __init__(self) -> None:
+        self.v: Any = None
 
-
-class _Checker:
-    """Checks one trace op by op, collecting a decision per op (every op is checked)."""
-
-    def __init__(self, trace: Any) -> None:
-        self.trace = trace
-        self.rp = _Replayer(trace)
-        self.decisions: list[dict[str, Any]] = []
-        self.counts: dict[str, int] = {}
-        self.first: dict[str, Any] | None = None
-
-    def count(self, reason: str) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-
-    def fail(self, op: Any, reason: str, detail: str, **extra: Any) -> None:
-        d = {"op": op.label, "ok": False, "reason": reason, "detail": detail, **extra}
-        self.decisions.append(d)
-        self.count(reason)
-        if self.first is None:
-            self.first = d
-
-    def status(self) -> ValidationStatus:
-        if self.first is None:
-            return ValidationStatus(True, decisions=self.decisions, reason_counts=self.counts)
-        f = self.first
-        return ValidationStatus(False, f["op"], f["reason"], self.decisions, self.counts, f["detail"])
-
-    # one op ------------------------------------------------------------------------------
-    def check(self, op: Any) -> None:
-        rp, trace = self.rp, self.trace
-        if op.kind == "output":
-            parent = rp.ev2op.get(op.parent_slots[0][0]) if op.parent_slots else None
-            if parent is None:
-                return self.fail(op, "capture_inconsistent", "an output op has no producer")
-            if op.saved and parent.saved and not R.same_bits(op.out, parent.outs[op.parent_slots[0][1]]):
-                return self.fail(op, "replay_mismatch", f"{op.label} differs from its producer {parent.label}")
-            self.decisions.append({"op": op.label, "ok": True, "reason": None})
-            return None
-        if op.kind in ("input", "buffer") or (op.kind == "constant" and not callable(op.func)):
-            if op.kind == "constant":  # read from its saved payload: counted as exempted
-                self.count("constant_producer_leaf")
-            self.decisions.append({"op": op.label, "ok": True,
-                                   "reason": "constant_producer_leaf" if op.kind == "constant" else None})
-            return None
-        if op.func is None or op.args_template is None or not callable(op.func):
-            return self.fail(op, "no_replayable_function", f"{op.label} has no recorded callable and arguments")
-        used = _template_indices(op.args_template) | _template_indices(op.kwargs_template or {})
-        if used != set(range(len(op.parent_slots))):
-            return self.fail(op, "arg_logging_mismatch", f"{op.label}'s argument template reads parents "
-                                                         f"{sorted(used)}, the graph records {len(op.parent_slots)}")
-        if not op.saved:
-            return self.fail(op, "parent_payload_missing", f"{op.label}'s own output was not saved")
-        lost = _unencodable(op.args_template) or _unencodable(op.kwargs_template or {})
-        if lost is not None:  # a loaded argument that had no encoding: the call cannot be rebuilt
-            return self.fail(op, "missing_saved_args", f"{op.label}'s argument {lost.at} ({lost.type_name}) was "
-                             "saved as text (it has no portable encoding), so the call cannot be replayed")
-        for eid, _slot in op.parent_slots:
-            p = rp.ev2op.get(eid)
-            if p is None or not p.saved:
-                return self.fail(op, "parent_payload_missing", f"the saved value of a parent of {op.label} is missing")
-        from torchlens.backends.sdk import changed_params, param_addresses
-
-        moved = changed_params(trace, [a for a in param_addresses(op) if a in trace._params])
-        if moved:  # the cause, not a bare replay_mismatch: the weights changed after capture
-            return self.fail(op, "replay_param_changed_since_capture",
-                             f"{op.label} reads parameter {moved[0]!r}, which changed since capture (optimizer "
-                             "step, load_state_dict or an in-place write); capture again to validate the current "
-                             "weights", param=moved[0])
-        try:
-            got = rp.run(op)
-        except Exception as exc:  # the recorded call does not re-execute
-            return self.fail(op, "replay_execution_exception", f"{type(exc).__name__}: {exc}")
+    def __call__(self, v: Any, op: Any, got: tuple, decision: dict[str, Any]) -> tuple[str, str, dict] | None:
+        self.v = v
+        rp = v.engine
         want = op.outs
-        mode, compare, record = R.comparison(trace, op)
-        if len(got) != len(want) or not all(compare(g, w) for g, w in zip(got, want) if w is not None or g is not None):
-            if mode == "tolerance" and len(got) == len(want) and all(R.same_meta(g, w) for g, w in zip(got, want)):
-                return self.fail(op, "dtype_tolerance_exceeded", f"re-executing {op.func_name} eagerly differs from "
-                                 f"{op.label} by more than {R.COMPILED_ULPS} epsilons", compared=mode, **record)
-            return self.fail(op, "replay_mismatch", f"re-executing {op.func_name} did not reproduce {op.label}")
-        decision: dict[str, Any] = {"op": op.label, "ok": True, "reason": None}
-        if mode != "bits":
-            decision.update(compared=mode, **record)
-            if mode == "tolerance":
-                decision["bit_exact"] = all(R.same_bits(g, w) for g, w in zip(got, want))
         exempt = _exempt_positions(op)
-        if exempt == "all" or mode == "shape_dtype":
+        if exempt == "all" or decision.get("compared") == "shape_dtype":
             decision.update(perturbed=[], exempt="all")
-            self.decisions.append(decision)
             return None
         perturbed, constants, exemptions = [], [], []
         for idx, (eid, slot) in enumerate(op.parent_slots):
@@ -293,27 +207,26 @@ class _Checker:
             parent = rp.ev2op[eid]
             if parent.kind == "constant":  # skipped; the op's other parents are still perturbed
                 constants.append(parent.label)
-                self.count("constant_parent_payload")
+                v.count("constant_parent_payload")
                 continue
-            v = parent.outs[slot]
-            if not isinstance(v, torch.Tensor) or not (v.is_floating_point() or v.is_complex()) or v.numel() == 0:
+            val = parent.outs[slot]
+            if not isinstance(val, torch.Tensor) or not (val.is_floating_point() or val.is_complex()) or val.numel() == 0:
                 continue  # integer / boolean parents (indices, masks) are exempt by rule
             if all(o is None or (isinstance(o, torch.Tensor) and o.numel() == 0) for o in want):
                 continue
-            if self.moves(op, {idx: None}, got, v, idx):
+            if self.moves(op, {idx: None}, got, val, idx):
                 perturbed.append(parent.label)
                 continue
-            excuse = self.excuse(op, idx, parent, v, got)
+            excuse = self.excuse(op, idx, parent, val, got)
             if excuse is None:
-                return self.fail(op, "perturbation_insensitive", f"perturbing parent {parent.label} did not change "
-                                 f"{op.label}, and no other operand explains it")
+                return ("perturbation_insensitive", f"perturbing parent {parent.label} did not change "
+                        f"{op.label}, and no other operand explains it", {})
             exemptions.append(excuse)
         decision.update(perturbed=perturbed, exempt=sorted(exempt))
         if constants:
             decision["constant_parent_payload"] = constants
         if exemptions:
             decision["exemptions"] = exemptions
-        self.decisions.append(decision)
         return None
 
     # perturbation --------------------------------------------------------------------------
@@ -326,7 +239,7 @@ class _Checker:
             override = {k: val for k, val in base.items() if val is not None}
             override[idx] = alt_value
             try:
-                alt = self.rp.run(op, override)
+                alt = self.v.engine.run(op, override)
             except Exception:
                 return True  # a perturbed value the op rejects still shows a dependence
             if len(alt) != len(ref) or not all(R.same_bits(a, r) for a, r in zip(alt, ref)):
@@ -347,7 +260,7 @@ class _Checker:
         if saturated is not None and self.moves(op, {}, got, v, idx, [saturated[0]]):
             return {"parent": parent.label, "rule": "saturated_bound",
                     "why": f"{saturated[1]} ({op.label}); fed a value inside the bounds it does move"}
-        rp = self.rp
+        rp = self.v.engine
         structural = R.structural_rule(op, *self._positions(op, idx))
         if structural is not None:
             return {"parent": parent.label, "rule": structural[0], "why": f"{structural[1]} ({op.label})"}
@@ -358,7 +271,7 @@ class _Checker:
             if key == idx or key in seen:
                 continue
             seen.add(key)
-            w = rp.parent_value(op, ref) if ref.address is not None else self._parent_out(op, ref.index)
+            w = rp.param(op, ref.address) if ref.address is not None else self._parent_out(op, ref.index)
             if not isinstance(w, torch.Tensor) or w.numel() == 0:
                 continue
             for k in range(2):
@@ -383,7 +296,7 @@ class _Checker:
         for i, r in enumerate(op.args_template):
             v = None
             if isinstance(r, ArgRef):
-                v = self.rp.parent_value(op, r) if r.address is not None else self._parent_out(op, r.index)
+                v = self.v.engine.param(op, r.address) if r.address is not None else self._parent_out(op, r.index)
                 if r.address is None and r.index == idx and pos < 0:
                     pos = i
             shapes.append(tuple(v.shape) if isinstance(v, torch.Tensor) else None)
@@ -391,21 +304,13 @@ class _Checker:
 
     def _parent_out(self, op: Any, index: int) -> Any:
         eid, slot = op.parent_slots[index]
-        return self.rp.ev2op[eid].outs[slot]
+        return self.v.engine.ev2op[eid].outs[slot]
 
     def _parent_label(self, op: Any, index: int) -> str:
-        return self.rp.ev2op[op.parent_slots[index][0]].label
+        return self.v.engine.ev2op[op.parent_slots[index][0]].label
 
 
 def validate_trace(trace: Any, **_: Any) -> ValidationStatus:
-    """Check every op of `trace` (see the module docstring); refuses opaque ops first."""
-    from torchlens.backends.sdk import refuse_opaque, progress
-
-    refuse_opaque(trace, trace._ops.values())  # an op loaded as opaque refuses before any op runs
-    from torchlens.backends.sdk import refuse_unreplayable
-
-    refuse_unreplayable(trace, trace._ops.values(), validating=True)  # e.g. torch.autograd.grad in the forward
-    checker = _Checker(trace)
-    for op in progress(trace._ops.values(), total=len(trace._ops), desc="validate"):
-        checker.check(op)
-    return checker.status()
+    """Check every op of `trace` through core's replay engine (see the module docstring);
+    refuses opaque ops first."""
+    return replay_validate(trace, TorchReplayOps(trace), extra_check=_Perturbation())

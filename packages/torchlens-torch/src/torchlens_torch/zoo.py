@@ -8,6 +8,7 @@ downloaded. Hugging Face entries need `transformers` and say so through `require
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -281,12 +282,170 @@ CONFORMANCE_ROLES: dict[str, str] = {
 }
 
 
+# Tier-3 oracles (conformance cells c3_*): each model's computation written by hand -----------
+#
+# `forward(tap, *args)` recomputes the model with plain torch calls on the model's own
+# weights and calls `tap(label, value)` at each op output it reproduces (labels are the
+# trace's); the suite edits the site through `tap` and compares with the library's replay.
+# Gradients come from `torch.autograd.grad` of the hand forward with respect to the tapped
+# values. The hand forwards never mutate the model (train-mode BatchNorm runs without
+# running statistics: its output depends on the batch only).
+
+def _square_sum(out: torch.Tensor) -> torch.Tensor:
+    return (out * out).sum()
+
+
+def _torch_backward(trace: Any, loss: Callable[[Any], Any]) -> Any:
+    return trace.backward(loss(trace.output))
+
+
+def _autodiff(forward: Callable[..., Any]) -> Callable[..., dict[str, torch.Tensor]]:
+    """`grads(loss, *args)`: d loss(forward(args)) / d value, for every tapped value, by
+    torch's own autograd on the hand forward."""
+
+    def grads(loss: Callable[[Any], Any], *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        seen: dict[str, torch.Tensor] = {}
+
+        def tap(label: str, value: torch.Tensor) -> torch.Tensor:
+            seen[label] = value
+            return value
+
+        with torch.enable_grad():
+            out = forward(tap, *args, **kwargs)
+            labels = [lb for lb, v in seen.items() if v.requires_grad]
+            found = torch.autograd.grad(loss(out), [seen[lb] for lb in labels], allow_unused=True)
+        return {lb: (g if g is not None else torch.zeros_like(seen[lb])).detach() for lb, g in zip(labels, found)}
+
+    return grads
+
+
+def _bn_train(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
+    return F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+
+
+def _mlp_forward(m: MLP) -> Callable[..., Any]:
+    def forward(tap, x):
+        h = tap("linear_1_1", F.linear(x, m.fc1.weight, m.fc1.bias))
+        h = tap("relu_1_2", torch.relu(h))
+        return tap("linear_2_3", F.linear(h, m.fc2.weight, m.fc2.bias))
+    return forward
+
+
+_CNN_BLOCK_LABELS = (
+    ("conv2d_2_5", "batchnorm_2_7", "relu_2_8:1", "conv2d_3_9", "batchnorm_3_11", "add_4_12", "relu_2_8:2"),
+    ("conv2d_4_13", "batchnorm_4_15", "relu_3_16:1", "conv2d_5_17", "batchnorm_5_19", "add_7_20", "relu_3_16:2"),
+)
+
+
+def _cnn_forward(m: CNN) -> Callable[..., Any]:
+    def block(tap, b: Block, x, labels):
+        c1, n1, r1, c2, n2, add, r2 = labels
+        h = tap(c1, F.conv2d(x, b.conv1.weight, None, padding=1))
+        h = tap(r1, torch.relu(tap(n1, _bn_train(b.bn1, h))))
+        h = tap(c2, F.conv2d(h, b.conv2.weight, None, padding=1))
+        h = tap(add, tap(n2, _bn_train(b.bn2, h)) + x)
+        return tap(r2, torch.relu(h))
+
+    def forward(tap, x):
+        h = tap("conv2d_1_1", F.conv2d(x, m.stem.weight, m.stem.bias, padding=1))
+        h = tap("relu_1_4", torch.relu(tap("batchnorm_1_3", _bn_train(m.bn, h))))
+        for b, labels in zip(m.blocks, _CNN_BLOCK_LABELS):
+            h = block(tap, b, h, labels)
+        h = tap("flatten_1_22", torch.flatten(tap("adaptiveavgpool2d_1_21", F.adaptive_avg_pool2d(h, 1)), 1))
+        return tap("linear_1_23", F.linear(h, m.head.weight, m.head.bias))
+    return forward
+
+
+def _mha(tap, attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+    """nn.MultiheadAttention(x, x, x) with batch_first, packed in-projection, no mask, written
+    out op by op as its eager path runs (and as the trace labels it)."""
+    e, heads = attn.embed_dim, attn.num_heads
+    hd = e // heads
+    q = tap("transpose_1_1", x.transpose(1, 0))
+    length, bsz, _ = q.shape
+    proj = tap("linear_1_2", F.linear(q, attn.in_proj_weight, attn.in_proj_bias))
+    proj = tap("unflatten_1_3", proj.unflatten(-1, (3, e)))
+    proj = tap("transpose_2_5", tap("unsqueeze_1_4", proj.unsqueeze(0)).transpose(0, -2))
+    proj = tap("contiguous_1_7", tap("squeeze_1_6", proj.squeeze(-2)).contiguous())
+    q, k, v = tap("getitem_1_8", proj[0]), tap("getitem_2_9", proj[1]), tap("getitem_3_10", proj[2])
+    q = tap("transpose_3_12", tap("view_1_11", q.view(length, bsz * heads, hd)).transpose(0, 1))
+    k = tap("transpose_4_14", tap("view_2_13", k.view(k.shape[0], bsz * heads, hd)).transpose(0, 1))
+    v = tap("transpose_5_16", tap("view_3_15", v.view(v.shape[0], bsz * heads, hd)).transpose(0, 1))
+    q = tap("mul_1_17", q * math.sqrt(1.0 / float(hd)))
+    w = tap("softmax_1_20", torch.softmax(tap("bmm_1_19", torch.bmm(q, tap("transpose_6_18", k.transpose(-2, -1)))),
+                                          dim=-1))
+    out = tap("transpose_7_22", tap("bmm_2_21", torch.bmm(w, v)).transpose(0, 1))
+    out = tap("reshape_1_23", out.reshape(length * bsz, e))
+    out = tap("linear_2_24", F.linear(out, attn.out_proj.weight, attn.out_proj.bias))
+    out = tap("view_4_25", out.view(length, bsz, out.size(1)))
+    return tap("transpose_8_28", out.transpose(1, 0))
+
+
+def _attention_forward(m: AttentionBlock) -> Callable[..., Any]:
+    def forward(tap, x):
+        h = tap("add_1_29", x + _mha(tap, m.attn, x))
+        return tap("layernorm_1_30", F.layer_norm(h, (h.shape[-1],), m.norm.weight, m.norm.bias, m.norm.eps))
+    return forward
+
+
+def _loop_forward(m: LoopNet) -> Callable[..., Any]:
+    def forward(tap, x):
+        for i in range(1, m.steps + 1):
+            x = tap(f"tanh_1_2:{i}", torch.tanh(tap(f"linear_1_1:{i}", F.linear(x, m.fc.weight, m.fc.bias))))
+        return x
+    return forward
+
+
+def _closure_forward(m: ClosureConstant) -> Callable[..., Any]:
+    def forward(tap, x):
+        return tap("mul_1_3", tap("linear_1_1", F.linear(x, m.fc.weight, m.fc.bias)) * _CLOSURE_SCALE)
+    return forward
+
+
+def _random_forward(m: RandomDraw) -> Callable[..., Any]:
+    def forward(tap, x):  # the same draws in the same order: dropout's mask, then randn
+        h = tap("linear_1_1", F.linear(x, m.fc.weight, m.fc.bias))
+        d = tap("dropout_1_2", F.dropout(h, m.drop.p, training=True))
+        return tap("add_1_5", d + 0.01 * torch.randn(x.shape))
+    return forward
+
+
+def _lstm_forward(m: RNNNet) -> Callable[..., Any]:
+    def forward(tap, x):
+        out, _state = m.rnn(x)  # the fused LSTM op is multi-output: not tapped
+        return tap("linear_1_5", F.linear(tap("getitem_1_4", out[:, -1]), m.head.weight, m.head.bias))
+    return forward
+
+
+#: role -> (hand forward factory, site)
+_C3: dict[str, tuple[Callable[[Any], Callable[..., Any]], str]] = {
+    "mlp": (_mlp_forward, "relu_1_2"),
+    "conv": (_cnn_forward, "relu_2_8:2"),
+    "attention": (_attention_forward, "add_1_29"),
+    "loop": (_loop_forward, "tanh_1_2:2"),
+    "constant": (_closure_forward, "linear_1_1"),
+    "random": (_random_forward, "linear_1_1"),
+    "lstm": (_lstm_forward, "getitem_1_4"),
+}
+
+
+def c3_oracle(role: str, model: nn.Module, args: tuple, seed: int = 0) -> dict[str, Any]:
+    """The `c3` entry of a conformance role: site, hand forward, donor inputs, loss and autodiff."""
+    make, site = _C3[role]
+    forward = make(model)
+    g = torch.Generator().manual_seed(seed + 1)
+    other = tuple(torch.randn(a.shape, generator=g, dtype=a.dtype) for a in args)
+    return {"site": site, "forward": forward, "other_args": other, "other_kwargs": {},
+            "loss": _square_sum, "backward": _torch_backward, "grads": _autodiff(forward)}
+
+
 def conformance_zoo(seed: int = 0) -> dict[str, dict[str, Any]]:
-    """What `BackendSpec.zoo()` returns: role -> {model, args, kwargs, reseed}."""
+    """What `BackendSpec.zoo()` returns: role -> {model, args, kwargs, reseed, c3}."""
     out: dict[str, dict[str, Any]] = {}
     for role, name in CONFORMANCE_ROLES.items():
         model, args, kwargs = build(name, seed)
-        out[role] = {"model": model, "args": args, "kwargs": kwargs, "reseed": lambda: torch.manual_seed(seed)}
+        out[role] = {"model": model, "args": args, "kwargs": kwargs, "reseed": lambda: torch.manual_seed(seed),
+                     "c3": c3_oracle(role, model, args, seed)}
     return out
 
 

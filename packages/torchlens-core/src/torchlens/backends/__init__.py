@@ -14,6 +14,8 @@ from torchlens.backends.protocol import (
     PROTOCOL_MEMBERS,
     DifferentiableEditOps,
     EditOps,
+    REPLAY_OPS_MEMBERS,
+    ReplayOps,
     BackendCapabilities,
     BackendProtocol,
     BackendSpec,
@@ -48,7 +50,7 @@ __all__ = [
     "KNOWN_BACKEND_EXTRAS", "get_protocol", "get_spec", "select_backend", "specs", "missing_members",
     "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward", "SupportsValidation",
     "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues", "SupportsCallableTable",
-    "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps", "edit_ops_of", "supports",
+    "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps", "ReplayOps", "REPLAY_OPS_MEMBERS", "edit_ops_of", "supports",
     "refusal_codes_for",
 ]
 

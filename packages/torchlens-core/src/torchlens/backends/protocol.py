@@ -41,6 +41,10 @@ class BackendCapabilities:
 assert set(CAPABILITY_REFUSALS) == {f.name for f in fields(BackendCapabilities)}
 
 
+#: distributions -> the installed version found for them (see `installed_version`)
+_INSTALLED_VERSIONS: dict[tuple, str] = {}
+
+
 @dataclass(frozen=True)
 class FrameworkRequirement:
     """What a backend needs from its framework: the supported range is [minimum, below)."""
@@ -53,14 +57,22 @@ class FrameworkRequirement:
     extra: str = ""
 
     def installed_version(self) -> str | None:
-        """The installed framework version, read from distribution metadata (no import)."""
+        """The installed framework version, read from distribution metadata (no import).
+        A version found is kept for the process (every `tl.trace` asks; parsing metadata costs
+        about a millisecond); an absent framework is looked up again next time."""
+        key = tuple(self.distributions)
+        found = _INSTALLED_VERSIONS.get(key)
+        if found is not None:
+            return found
         from importlib import metadata
 
         for dist in self.distributions:
             try:
-                return metadata.version(dist)
+                found = metadata.version(dist)
             except metadata.PackageNotFoundError:
                 continue
+            _INSTALLED_VERSIONS[key] = found
+            return found
         return None
 
     def contains(self, version: str) -> bool:
@@ -251,6 +263,28 @@ EDIT_OPS_MEMBERS: tuple[str, ...] = ("zeros_like", "clone", "clip", "mean", "nor
 
 
 @runtime_checkable
+class ReplayOps(Protocol):
+    """The backend's side of core's one per-op replay engine (`torchlens.replay.engine`):
+    what validation and interventions need to re-execute a recorded op and judge the result.
+    `tl.backends.sdk.ReplayOpsBase` holds a default for every member (plain call, no RNG,
+    numpy bit-for-bit comparison); an `EditOps` lacking the others is adapted with those
+    defaults (`tl.backends.sdk.replay_ops_from`)."""
+
+    def replay_args(self, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]: ...
+    def rng_state(self, state: Any) -> Any: ...
+    def parent_value(self, op: Any, ref: Any, value: Any) -> Any: ...
+    def call(self, op: Any, args: tuple, kwargs: dict) -> Any: ...
+    def outputs(self, op: Any, out: Any, args: tuple) -> tuple: ...
+    def equal(self, a: Any, b: Any) -> bool: ...
+    def compare(self, trace: Any, op: Any, got: tuple, want: tuple) -> tuple[str | None, str, dict[str, Any]]: ...
+    def preflight(self, trace: Any) -> None: ...
+
+
+REPLAY_OPS_MEMBERS: tuple[str, ...] = ("replay_args", "rng_state", "parent_value", "call", "outputs", "equal", "compare",
+                                       "preflight")
+
+
+@runtime_checkable
 class DifferentiableEditOps(EditOps, Protocol):
     """The edit ops of a backend declaring both `interventions` and `backward_capture`:
     `grad_enabled()` is the context differentiable replay runs in."""
@@ -428,4 +462,5 @@ __all__ = ["BackendCapabilities", "FrameworkRequirement", "BackendProtocol", "Ba
            "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward", "SupportsValidation",
            "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues", "SupportsCallableTable",
            "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps", "EDIT_OPS_MEMBERS",
+           "ReplayOps", "REPLAY_OPS_MEMBERS",
            "edit_ops_of", "supports", "check_capability_protocols", "refusal_codes_for", "BASE_REFUSALS"]

@@ -20,6 +20,10 @@ change. The dependency test enforces it for the backends in this repository.
   `param_addresses` (replay's parameter check), `refuse_unreplayable`, `progress`,
   `CaptureOptions` / `TraceOptions` (what `capture` receives), `AttributeWrite`,
   `install_hint`.
+- Replay (issue 14 §2): core's one per-op replay engine. A backend's `validate` calls
+  `replay_validate(trace, ops)` with its `ReplayOps` (subclass `ReplayOpsBase`: call, compare,
+  RNG state, argument protection); `Replayer` re-executes single ops; `replay_ops_from`
+  adapts an `EditOps`; `ReplayFailure` is a missing piece.
 - Errors: the typed error classes a backend raises.
 """
 
@@ -44,6 +48,7 @@ from torchlens.backends.protocol import (
     SupportsPersistence,
     DifferentiableEditOps,
     EditOps,
+    ReplayOps,
     SupportsValidation,
     SupportsValidationScopes,
     SupportsValidationSession,
@@ -93,10 +98,15 @@ _LAZY = {
     "NumpyEditOps": "torchlens.intervention.numpy_ops:NumpyEditOps",
     "HookContext": "torchlens.intervention.edits:HookContext",
     "fire": "torchlens.intervention.edits:fire",
-    "changed_params": "torchlens.intervention.params:changed_params",
-    "param_addresses": "torchlens.intervention.params:param_addresses",
-    "refuse_unreplayable": "torchlens.intervention.preconditions:refuse_unreplayable",
+    "changed_params": "torchlens.replay.params:changed_params",
+    "param_addresses": "torchlens.replay.params:param_addresses",
+    "refuse_unreplayable": "torchlens.replay.preconditions:refuse_unreplayable",
     "progress": "torchlens.viz.progress:progress",
+    "ReplayOpsBase": "torchlens.replay.engine:ReplayOpsBase",
+    "replay_validate": "torchlens.replay.engine:validate",
+    "replay_ops_from": "torchlens.replay.engine:replay_ops_from",
+    "Replayer": "torchlens.replay.engine:Replayer",
+    "ReplayFailure": "torchlens.replay.engine:ReplayFailure",
 }
 
 
@@ -141,6 +151,7 @@ __all__ = [
     "BackendCapabilities", "BackendProtocol", "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward",
     "SupportsValidation", "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues",
     "SupportsCallableTable", "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps",
+    "ReplayOps",
     "supports", "install_hint", "CaptureOptions", "TraceOptions", "AttributeWrite", "refusal_codes_for", "CAPABILITY_REFUSALS",
     "REFUSAL_CODES", "VALIDATION_REASONS",
     "EventLog", "OpEvent", "ModuleEnter", "ModuleExit", "ArgRef", "ModelInfo", "ModuleInfo", "ParamInfo", "BufferInfo",

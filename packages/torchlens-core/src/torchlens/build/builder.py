@@ -5,9 +5,10 @@ graph edges are computed here, once, for every backend.
 
 Labelling rules:
 - sources and sinks: `input_N`, `buffer_N`, `output_N` (N counts that kind);
-- every other layer: `{type}_{type_num}_{step_num}`, where `type` is the normalised callable
-  name, `type_num` counts layers of that type and `step_num` counts all such layers, both
-  in order of first execution;
+- every other layer: `{type}_{type_num}_{step_num}`, where `type` is the callable's name
+  lower-cased with underscores removed (`batchnorm`, `conv2d`, PyPI torchlens's token; see
+  `normalize_type`), `type_num` counts layers of that type and `step_num` counts all such
+  layers, both in order of first execution;
 - a layer that ran more than once has pass-qualified op labels `label:1`, `label:2`, ...;
   single-pass layers' ops carry the bare label.
 
@@ -18,36 +19,27 @@ is a new pass; two places with the same weights are two layers.
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Iterable
 
 from torchlens.build.events import EventLog, ModelInfo, ModuleEnter, ModuleExit, OpEvent
 from torchlens.records.module import Buffer, Module, ModuleCall, Param
-from torchlens.records.op import Layer, Op
+from torchlens.records.op import Layer, Op, itemsize, numel
 from torchlens.records.ports import port
 from torchlens.records.trace import Cost, Provenance, Trace
 
 _SOURCE_KINDS = {"input", "buffer", "output"}
 
 
-#: Property names whose spelling is their meaning: `x.T` is `T_1_2`, never `t_1_2` (`x.t()`).
-_CASED_NAMES = frozenset({"T", "H", "mT", "mH"})
-
-
 def normalize_type(func_name: str) -> str:
-    """`"__add__"` -> `"add"`, `"add_"` -> `"add"`, `"Tensor.view"` -> `"view"`, lowercased;
-    a tensor property read keeps its spelling (`"T"`, `"mT"`), so `x.T` and `x.t()` differ."""
-    short = func_name.rsplit(".", 1)[-1]
-    if short in _CASED_NAMES:
-        return short
-    name = short.strip("_").lower()
-    if name.startswith("r") and func_name.startswith("__r") and func_name.endswith("__"):
-        name = name[1:]  # __radd__ -> add
-    if name.startswith("i") and func_name.startswith("__i") and func_name.endswith("__") and name[1:] in _INPLACE_DUNDERS:
-        name = name[1:]  # __iadd__ -> add
-    return name or "op"
-
-
-_INPLACE_DUNDERS = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"}
+    """The type token of an op's label: the callable's short name lower-cased with every
+    underscore removed, the token PyPI torchlens uses, so labels read as its users know them:
+    `"batch_norm"` -> `"batchnorm"`, `"scaled_dot_product_attention"` ->
+    `"scaleddotproductattention"`, `"__add__"` and `"add_"` -> `"add"`, `"__iadd__"` ->
+    `"iadd"`, `"__rsub__"` -> `"rsub"`, `"Tensor.view"` -> `"view"`, a property read `"T"` ->
+    `"t"`. Lookups also accept the underscored spelling (`trace.ops["batch_norm_1_5"]`, see
+    `torchlens.records.collections.label_alias`)."""
+    return func_name.rsplit(".", 1)[-1].lower().replace("_", "") or "op"
 
 
 def build_trace(
@@ -61,7 +53,26 @@ def build_trace(
     backend: Any = None,
     cost: Cost | None = None,
 ) -> Trace:
-    """Build a `Trace` from a model description and the raw events of one capture."""
+    """Build a `Trace` from a model description and the raw events of one capture.
+
+    One pass over the events groups ops into layers and counts passes; a walk over the ops
+    gives the final labels, and one more (a parent always precedes its children) the edges,
+    module-call membership, parameter consumers and cost totals together. Per-event work is kept to attribute copies and dict lookups: this runs after
+    every forward and is part of the capture's cost. Python's cyclic collector is paused
+    while the records are made (a few small objects per op would trigger full collections);
+    it is set back as it was when the build returns or raises."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _build(model_info, events, output, output_state, provenance, options, backend, cost)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _build(model_info: ModelInfo, events: EventLog | Iterable[Any], output: Any, output_state: str | None,
+           provenance: Provenance, options: Any, backend: Any, cost: Cost | None) -> Trace:
     evs = events.events if isinstance(events, EventLog) else list(events)
     trace = Trace()
     trace.provenance = provenance
@@ -76,18 +87,24 @@ def build_trace(
     layer_of_key: dict[Any, Layer] = {}
     type_counts: dict[str, int] = {}
     kind_counts: dict[str, int] = {}
+    type_of: dict[str, str] = {}  # func_name -> type token
+    stacks: dict[int, tuple] = {}  # id(module_stack) -> (module_calls, modules, module)
     step = 0
     op_of_event: dict[int, Op] = {}
     ordered_ops: list[Op] = []
-    open_calls: list[ModuleCall] = []
     mod_calls = trace._module_calls
+    layers = trace._layers
+    modules = trace._modules
+    append_op = ordered_ops.append
+    _OpEvent, _ModuleEnter, _ModuleExit = OpEvent, ModuleEnter, ModuleExit
 
     for ev in evs:
-        if isinstance(ev, OpEvent):
+        cls = type(ev)
+        if cls is _OpEvent or (cls is not _ModuleEnter and cls is not _ModuleExit and isinstance(ev, OpEvent)):
             op = Op()
-            op.event_id = ev.id
-            op.kind = ev.kind
-            op.func_name = ev.func_name
+            op.event_id = eid = ev.id
+            op.kind = kind = ev.kind
+            op.func_name = func_name = ev.func_name
             op.parent_slots = ev.parents
             op.shapes = ev.shapes
             op.dtypes = ev.dtypes
@@ -101,83 +118,143 @@ def build_trace(
             op.kwargs_template = ev.kwargs_template
             op.is_inplace = ev.is_inplace
             op.params = ev.params
-            op.site = ev.site
+            op.site = site = ev.site
             op._trace = trace
-            op.module_calls = tuple(f"{a}:{c}" for a, c in ev.module_stack)
-            op.modules = tuple(a for a, _ in ev.module_stack)
-            op.module = op.modules[-1] if op.modules else None
+            ms = ev.module_stack
+            cached = stacks.get(id(ms)) if type(ms) is tuple else None
+            if cached is None:
+                cached = (tuple(f"{a}:{c}" for a, c in ms), tuple(a for a, _ in ms))
+                cached = cached + (cached[1][-1] if cached[1] else None,)
+                if type(ms) is tuple:
+                    stacks[id(ms)] = cached  # the events hold the tuple: its id is stable here
+            op.module_calls, op.modules, op.module = cached
+            module = cached[2]
 
-            if ev.kind in _SOURCE_KINDS:
-                n = kind_counts.get(ev.kind, 0) + 1
-                kind_counts[ev.kind] = n
-                layer = Layer(f"{ev.kind}_{n}", ev.kind, ev.kind, op.module, op.modules)
+            if kind in _SOURCE_KINDS:
+                n = kind_counts.get(kind, 0) + 1
+                kind_counts[kind] = n
+                layer = Layer(f"{kind}_{n}", kind, kind, module, cached[1])
                 layer.type_num, layer.step_num = n, 0
                 layer._trace = trace
-                trace._layers[layer.label] = layer
+                layers[layer.label] = layer
             else:
-                key = (op.module, ev.site, ev.func_name, ev.kind) if ev.site is not None else ("#", ev.id)
+                key = (module, site, func_name, kind) if site is not None else ("#", eid)
                 layer = layer_of_key.get(key)
                 if layer is None:
-                    t = normalize_type(ev.func_name) if ev.kind != "constant" else "constant"
+                    if kind == "constant":
+                        t = "constant"
+                    else:
+                        t = type_of.get(func_name)
+                        if t is None:
+                            t = type_of[func_name] = normalize_type(func_name)
                     tn = type_counts.get(t, 0) + 1
                     type_counts[t] = tn
                     step += 1
-                    layer = Layer(f"{t}_{tn}_{step}", ev.func_name, ev.kind, op.module, op.modules)
+                    layer = Layer(f"{t}_{tn}_{step}", func_name, kind, module, cached[1])
                     layer.type_num, layer.step_num = tn, step
                     layer._trace = trace
                     layer_of_key[key] = layer
-                    trace._layers[layer.label] = layer
-            layer.ops.append(op)
+                    layers[layer.label] = layer
+            lops = layer._ops
+            lops.append(op)
             op.layer_label = layer.label
-            op.pass_number = len(layer.ops)
+            op.pass_number = len(lops)
             op.type_num, op.step_num = layer.type_num, layer.step_num
-            op_of_event[ev.id] = op
-            ordered_ops.append(op)
-        elif isinstance(ev, ModuleEnter):
+            op_of_event[eid] = op
+            append_op(op)
+        elif cls is _ModuleEnter or (cls is not _ModuleExit and isinstance(ev, ModuleEnter)):
             call = ModuleCall(ev.address, ev.call)
             call._trace = trace
             call.input_labels = ev.input_ids  # resolved below
-            mod = trace._modules.get(ev.address)
+            mod = modules.get(ev.address)
             if mod is None:  # a module the description missed: record it rather than drop it
                 mod = Module(ev.address, "?", "?", _parent_address(ev.address), (ev.address,), False)
                 mod._trace = trace
-                trace._modules[ev.address] = mod
+                modules[ev.address] = mod
             mod.calls.append(call)
             mod_calls[call.label] = call
-            open_calls.append(call)
         elif isinstance(ev, ModuleExit):
             call = mod_calls.get(f"{ev.address}:{ev.call}")
             if call is not None:
                 call.output_labels = ev.output_ids  # resolved below
 
     # pass 2: final labels ----------------------------------------------------------------
-    for op in ordered_ops:
-        layer = trace._layers[op.layer_label]
-        op.num_passes = len(layer.ops)
-        op.label = op.layer_label if op.num_passes == 1 else f"{op.layer_label}:{op.pass_number}"
+    ops_by_label = trace._ops
     for i, op in enumerate(ordered_ops):
+        lops = layers[op.layer_label]._ops
+        n = len(lops)
+        op.num_passes = n
+        op.label = label = op.layer_label if n == 1 else f"{op.layer_label}:{op.pass_number}"
         op.index = i
-        trace._ops[op.label] = op
+        ops_by_label[label] = op
 
-    # edges ---------------------------------------------------------------------------
+    # edges, module calls, params and buffers, cost totals ----------------------------------
+    params = trace._params
+    buffers = trace._buffers
+    calls_cache: dict[int, list] = {}  # id(op.module_calls) -> the ModuleCall records
+    total_flops = total_macs = activation = 0
+    num_flops = 0
+    macs_by_kind: dict[str, int] = {}
+    nbytes_of: dict[tuple, int] = {}  # (shape, dtype) -> bytes
     for op in ordered_ops:
-        parents = []
-        for pid, _slot in op.parent_slots:
-            p = op_of_event.get(pid)
-            if p is None:
-                continue
-            parents.append(p.label)
-            if not p.children or p.children[-1] != op.label:
-                if op.label not in p.children:
-                    p.children.append(op.label)
-        op.parents = tuple(dict.fromkeys(parents))
-
-    # module calls: ops, inputs, outputs ----------------------------------------------------
-    for op in ordered_ops:
-        for cl in op.module_calls:
-            call = mod_calls.get(cl)
-            if call is not None:
-                call.op_labels.append(op.label)
+        label = op.label
+        slots = op.parent_slots
+        if slots:
+            parents = []
+            for pid, _slot in slots:
+                p = op_of_event.get(pid)
+                if p is None:
+                    continue
+                parents.append(p.label)
+                ch = p.children
+                if not ch or ch[-1] != label:
+                    if label not in ch:
+                        ch.append(label)
+            op.parents = tuple(dict.fromkeys(parents)) if len(parents) > 1 else tuple(parents)
+        else:
+            op.parents = ()
+        mcs = op.module_calls
+        if mcs:
+            calls = calls_cache.get(id(mcs))
+            if calls is None:
+                calls = calls_cache[id(mcs)] = [c for c in (mod_calls.get(cl) for cl in mcs) if c is not None]
+            for call in calls:
+                call.op_labels.append(label)
+        for addr in op.params:
+            p = params.get(addr)
+            if p is not None:
+                p.consumer_labels.append(label)
+        kind = op.kind
+        if kind == "buffer" and op.path in buffers:
+            buffers[op.path].op_labels.append(label)
+        meta = op.meta
+        if meta:
+            for addr in meta.get("buffer_write", ()):  # every recorded write is a version
+                if addr in buffers and label not in buffers[addr].op_labels:
+                    buffers[addr].op_labels.append(label)
+            f = meta.get("flops")
+            if f is not None:
+                total_flops += f
+                num_flops += 1
+            m = meta.get("macs")
+            if m is not None:
+                total_macs += m
+                k = type_of.get(op.func_name)
+                if k is None:
+                    k = type_of[op.func_name] = normalize_type(op.func_name)
+                macs_by_kind[k] = macs_by_kind.get(k, 0) + m
+        if kind != "output":
+            nb = meta.get("nbytes") if meta else None
+            if nb is None:
+                shapes, dtypes = op.shapes, op.dtypes
+                if len(shapes) == 1 and len(dtypes) == 1 and type(shapes[0]) is tuple:  # Op.nbytes, common case
+                    key = (shapes[0], dtypes[0])
+                    nb = nbytes_of.get(key)
+                    if nb is None:
+                        nb = nbytes_of[key] = numel(shapes[0]) * itemsize(dtypes[0])
+                else:
+                    nb = op.nbytes
+            activation += nb
     output_slots: dict[str, list[list]] = {}
     for call in mod_calls.values():
         ids = call.output_labels
@@ -189,20 +266,18 @@ def build_trace(
     if output_slots:  # saved with the trace: a loaded trace's calls return the same slots
         trace.annotations["module_output_slots"] = output_slots
 
-    # params and buffers ---------------------------------------------------------------------
-    for op in ordered_ops:
-        for addr in op.params:
-            p = trace._params.get(addr)
-            if p is not None:
-                p.consumer_labels.append(op.label)
-        if op.kind == "buffer" and op.path in trace._buffers:
-            trace._buffers[op.path].op_labels.append(op.label)
-        for addr in op.meta.get("buffer_write", ()) if op.meta else ():  # every recorded write is a version
-            if addr in trace._buffers and op.label not in trace._buffers[addr].op_labels:
-                trace._buffers[addr].op_labels.append(op.label)
-
     drop_uncalled_modules(trace)
-    trace.cost = cost or _cost(trace)
+    if cost is None:
+        cost = Cost()
+        if num_flops:
+            cost.total_flops += total_flops
+            cost.num_ops_with_flops += num_flops
+        if macs_by_kind:
+            cost.total_macs += total_macs
+            cost.macs_by_kind = macs_by_kind
+        cost.total_activation_memory += activation
+        cost.total_param_memory = sum(p.nbytes for p in params.values())
+    trace.cost = cost
     stamp_params = port("stamp_params")
 
     stamp_params(trace)  # replay refuses parameters changed after this point
@@ -281,21 +356,3 @@ def _build_modules(trace: Trace, info: ModelInfo) -> None:
         trace._buffers[bi.address] = b
         if bi.module in trace._modules:
             trace._modules[bi.module].buffer_addresses.append(bi.address)
-
-
-def _cost(trace: Trace) -> Cost:
-    c = Cost()
-    for op in trace._ops.values():
-        f = op.meta.get("flops")
-        if f is not None:
-            c.total_flops += f
-            c.num_ops_with_flops += 1
-        m = op.meta.get("macs")
-        if m is not None:
-            c.total_macs += m
-            k = normalize_type(op.func_name)
-            c.macs_by_kind[k] = c.macs_by_kind.get(k, 0) + m
-        if op.kind not in ("output",):
-            c.total_activation_memory += op.nbytes
-    c.total_param_memory = sum(p.nbytes for p in trace._params.values())
-    return c

@@ -4,6 +4,7 @@ rerun, capture-time `intervene=`, or a bound executor."""
 from torchlens.intervention.edits import (
     Edit,
     HookContext,
+    Population,
     add,
     add_noise,
     clamp,
@@ -38,7 +39,7 @@ from torchlens.intervention.subspace import (
 )
 
 __all__ = [
-    "Edit", "HookContext", "SubspaceSite", "UnitsSite", "set_affine_coordinates", "subspace", "units", "Recipe", "Rule", "BoundModel", "EditPlan", "when",
+    "Edit", "HookContext", "Population", "SubspaceSite", "UnitsSite", "set_affine_coordinates", "subspace", "units", "Recipe", "Rule", "BoundModel", "EditPlan", "when",
     "compose", "keep_grad", "positions", "splice_module", "sweep", "subspace_ablate", "subspace_interchange",
     "add", "add_noise", "clamp", "clip_norm", "hook", "mean_ablate", "patch_from", "project_onto", "project_out",
     "replace_with", "scale", "scramble_elements", "steer", "swap_with", "zero_ablate",

@@ -8,6 +8,8 @@ with a stable code: the spec's where one is named (`steer_direction_invalid`,
 `subspace_basis_*`, `affine_source_invalid`), else `edit_argument_invalid` (a bad scalar or
 type) or `edit_argument_shape_mismatch` (a tensor that does not broadcast to the site).
 Tensor arguments are read on the host once, at construction, through numpy: no framework.
+A framework value is copied to the host by the backend that owns it (`host_copy`, a required
+member of every backend), so core never calls a framework's own methods on it.
 """
 
 from __future__ import annotations
@@ -24,17 +26,39 @@ def bad(who: str, message: str, remedy: str, code: str = "edit_argument_invalid"
     return InterventionError(code, f"{who}: {message}", remedy=remedy, helper=who, **fields)
 
 
+def owning_backend(v: Any) -> Any:
+    """The registered backend whose `is_tensor` claims `v`, among the backends whose framework
+    is already imported (so asking imports nothing); None for numpy and plain Python values."""
+    if isinstance(v, (np.ndarray, np.generic, numbers.Number, str, bytes, list, tuple, dict)) or v is None:
+        return None
+    import sys
+
+    from torchlens.backends.registry import get_protocol, specs
+
+    try:
+        candidates = [s for s in specs().values() if any(m in sys.modules for m in s.modules)]
+    except Exception:  # noqa: BLE001 - a broken plugin registry: read the value through numpy
+        return None
+    for spec in candidates:
+        try:
+            proto = get_protocol(spec.name)
+            if proto.is_tensor(v):
+                return proto
+        except Exception:  # noqa: BLE001 - a backend that cannot load or answer does not own it
+            continue
+    return None
+
+
 def to_numpy(v: Any) -> np.ndarray:
-    """A tensor-like value as a host numpy array (torch via detach/cpu, bfloat16 widened)."""
-    if isinstance(v, np.ndarray):
-        return v
-    detach = getattr(v, "detach", None)
-    if detach is not None:
-        v = detach()
-        if str(getattr(v, "dtype", "")) == "torch.bfloat16":
-            v = v.float()
-        v = v.cpu().numpy() if hasattr(v, "cpu") else v
-    return np.asarray(v)
+    """A tensor-like value as a host numpy array: a framework value through its backend's
+    `host_copy`, anything else through `np.asarray`; a float type numpy lacks (bfloat16 and
+    the other ml_dtypes floats) is widened to float32 so the checks can read it."""
+    if not isinstance(v, np.ndarray):
+        proto = owning_backend(v)
+        v = np.asarray(proto.host_copy(v) if proto is not None else v)
+    if v.dtype.kind == "V" and "float" in v.dtype.name:
+        v = v.astype(np.float32)
+    return v
 
 
 def is_tensor_like(v: Any) -> bool:
@@ -134,3 +158,44 @@ def axis_in(who: str, dim: int, site: tuple[int, ...], code: str, remedy: str) -
         raise bad(who, f"dim={dim} is not an axis of the site's shape {tuple(site)}", remedy, code, dim=dim,
                   site_shape=tuple(site))
     return dim % nd
+
+
+def refuse_unmatchable_live(resolved: list, fired_events: Any, event_of: dict[str, Any]) -> None:
+    """glossary l. 289, 811: a rerun's forward rule whose selector matched sites of the rerun's
+    own graph but fired at none of them live (an input, an output or a `__setitem__` op, which
+    no live hook edits) raises rerun_selector_unmatchable_live, whatever `on_zero_fire` says.
+    Called after the edited capture and before its result is adopted (the trace unchanged).
+    `resolved` holds (rule, site labels, applied edit, source) rows; `fired_events` the event
+    ids the edit plan fired at; `event_of` maps an op label of the edited run to its event id."""
+    for rule, site_labels, _applied, _source in resolved:
+        if rule.signal == "backward" or not site_labels:
+            continue  # gradient rules are armed; no match at all is the zero-fire policy's case
+        if any(event_of.get(lb) in fired_events for lb in site_labels):
+            continue
+        raise InterventionError(
+            "rerun_selector_unmatchable_live", f"{rule.target!r} matches {', '.join(list(site_labels)[:4])} on the rerun's "
+            "graph but fired at none of them during the rerun's forward: a live edit cannot reach those ops; nothing was "
+            "changed", remedy="edit them with the replay engine (trace.do(site, edit) without model=/inputs=), or target "
+            "the op that produces the value (its parent) for a live rerun", target=repr(rule.target),
+            sites=list(site_labels))
+
+
+def refuse_async_lazy(out: Any) -> None:
+    """glossary l. 282: a bound call that returns an async lazy output (a coroutine, an
+    awaitable, an async generator or iterator) raises bind_lazy_output: the edits are held
+    only while the call runs, and an async body runs later, outside them. The object is closed
+    first when it can be (so a coroutine is not left never awaited)."""
+    import inspect
+
+    kind = ("coroutine" if inspect.iscoroutine(out) else "async generator" if inspect.isasyncgen(out)
+            else "async iterator" if hasattr(out, "__anext__") or hasattr(out, "__aiter__")
+            else "awaitable" if inspect.isawaitable(out) else None)
+    if kind is None:
+        return
+    close = getattr(out, "close", None) if kind == "coroutine" else None
+    if callable(close):
+        close()
+    raise InterventionError("bind_lazy_output", f"the bound call returned an {kind} ({type(out).__name__}); its body "
+                            "would run after the call returned, outside the bound edits", remedy="call a synchronous "
+                            "method (a plain call or a sync generator such as bound.generate(...)), or run the async "
+                            "code inside a synchronous bound call", kind=kind, type=type(out).__name__)

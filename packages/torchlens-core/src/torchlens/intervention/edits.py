@@ -3,7 +3,9 @@
 An `Edit` is a frozen description (name, arguments) plus the function that applies it. The
 math runs through the backend's edit ops (`backend.edit_ops()`: `zeros_like`, `clip`,
 `mean`, `norm`, `randn_like`, `moveaxis`, `asarray`, `clone`, `permute_flat`), so the
-same helper works on torch tensors and numpy arrays alike, and core imports no framework.
+same helper works on torch tensors, JAX arrays and numpy arrays alike, and core imports no
+framework. A helper's tensor arguments are read on the host (checks, digests) through the
+owning backend's `host_copy` (`checks.to_numpy`), never through a framework's own methods.
 
 Each helper checks its arguments when it is built and carries a `check(site_shape)` run at
 staging (`checks.py`). Every engine applies an edit through `fire`, which hands user code (a
@@ -13,6 +15,8 @@ into a payload another trace holds or into the model's weights or inputs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import inspect
 import numbers
@@ -69,6 +73,12 @@ class Edit:
     def trusted(self) -> bool:
         return bool(self.__dict__.get("_trusted", False))
 
+    @property
+    def audit_extra(self) -> dict[str, Any]:
+        """Facts this edit adds to its audit (fire) record, e.g. `stochastic=False` for a
+        Population mean."""
+        return dict(self.__dict__.get("_audit_extra", {}))
+
     def check_site(self, shape: Any) -> None:
         """Refuse a site of this recorded shape before anything is mutated (staging)."""
         if self.check is not None and shape is not None:
@@ -119,6 +129,8 @@ def _value_identity(v: Any) -> str:
         return repr(v)
     if isinstance(v, tuple):
         return "(" + ", ".join(_value_identity(x) for x in v) + ")"
+    if isinstance(v, Population):
+        return v.identity()
     shape = getattr(v, "shape", None)
     if shape is not None:
         return f"<tensor {tuple(shape)} sha256:{tensor_digest(v)[:16]}>"
@@ -126,7 +138,7 @@ def _value_identity(v: Any) -> str:
 
 
 def tensor_digest(v: Any) -> str:
-    """sha256 of a tensor's content (via numpy, without importing a framework)."""
+    """sha256 of a tensor's content (read on the host by its backend, without importing a framework)."""
     import numpy as np
 
     arr = C.to_numpy(v)
@@ -249,9 +261,93 @@ def add_noise(std: float = 1.0, *, seed: int = 0, allow_shape_change: bool = Fal
 _SEMANTIC_AXES = ("batch", "position", "feature")
 
 
-def _mean_dims(dim: Any) -> tuple[int, ...] | None:
+class Population:
+    """`tl.intervention.Population(members)`: values averaged elementwise by
+    `mean_ablate(population, dim=...)`. `members` is a non-empty sequence of same-shaped
+    finite tensors (or Op-likes, whose `.out` is read when the edit fires).
+
+    `mean_ablate(pop, dim="members")` fills the site with the member-shaped mean
+    (sum of the members / their count); `dim=None` reduces that mean to one scalar, and
+    axes reduce it with keepdim. A population is never drawn from: the audit row says
+    `stochastic=False`, and the spec holding it is `opaque_audit` (it saves at level
+    "audit" only)."""
+
+    __slots__ = ("_members", "_shape")
+
+    def __init__(self, members: Any) -> None:
+        remedy = "tl.intervention.Population([t1, t2, ...]) with same-shaped finite tensors (or Ops)"
+        if isinstance(members, (str, bytes, dict)) or C.is_tensor_like(members) or not hasattr(members, "__iter__"):
+            raise C.bad("Population", f"members={type(members).__name__} is not a sequence of tensors", remedy,
+                        "intervention_edit_invalid", argument="members")
+        items = tuple(members)
+        if not items:
+            raise C.bad("Population", "a population needs at least one member", remedy, "intervention_edit_invalid",
+                        argument="members")
+        shapes = []
+        for i, m in enumerate(items):
+            if _op_like(m):
+                shape = getattr(m, "shape", None)
+                shapes.append(tuple(shape) if shape is not None else None)
+            else:
+                shapes.append(C.tensor("Population", f"members[{i}]", m, remedy=remedy))
+        known = {s for s in shapes if s is not None}
+        if len(known) > 1:
+            raise C.bad("Population", f"the members have different shapes {sorted(known)}; they are averaged elementwise",
+                        remedy, "edit_argument_shape_mismatch", shapes=sorted(known))
+        self._members = items
+        self._shape = next(iter(known)) if known else None
+
+    @property
+    def members(self) -> tuple[Any, ...]:
+        return self._members
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        """The members' shape (None when every member is an Op-like of unknown shape)."""
+        return self._shape
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def tensors(self) -> tuple[Any, ...]:
+        return tuple(m for m in self._members if not _op_like(m))
+
+    def identity(self) -> str:
+        parts = []
+        for m in self._members:
+            if _op_like(m):
+                parts.append(f"op:{getattr(m, 'label', type(m).__name__)}")
+            else:
+                parts.append(tensor_digest(m)[:16])
+        return f"<Population n={len(parts)} shape={self._shape} {hashlib.sha256(' '.join(parts).encode()).hexdigest()[:16]}>"
+
+    def mean(self, like: Any, ops: Any) -> Any:
+        """The elementwise mean of the members, as the site's framework and dtype."""
+        acc = None
+        for m in self._members:
+            v = ops.asarray(m.out if _op_like(m) else m, like)
+            acc = v if acc is None else acc + v
+        return acc * (1.0 / len(self._members))
+
+    def __repr__(self) -> str:
+        return f"tl.intervention.Population({len(self._members)} members of shape {self._shape})"
+
+
+def _op_like(m: Any) -> bool:
+    """An Op or Layer record (read through `.out` when the edit fires), not a tensor."""
+    return hasattr(m, "label") and hasattr(m, "out") and hasattr(m, "kind")
+
+
+def _mean_dims(dim: Any, members_ok: bool = False) -> tuple[int, ...] | str | None:
     if dim is None:
         return None
+    if isinstance(dim, str) and dim == "members":
+        if not members_ok:
+            raise InterventionError("intervention_over_invalid", "mean_ablate(dim='members') averages over a Population's "
+                                    "members; this source is not a tl.intervention.Population",
+                                    remedy="mean_ablate(tl.intervention.Population([t1, t2, ...]), dim='members'), or an "
+                                    "axis number for a tensor or the site", dim=repr(dim))
+        return "members"
     if isinstance(dim, str) and dim in _SEMANTIC_AXES:
         raise InterventionError("axis_semantics_unknown", f"mean_ablate(dim={dim!r}) names an axis role TorchLens has no "
                                 "evidence for", remedy="pass the axis number, e.g. mean_ablate(dim=0) for the batch axis",
@@ -259,8 +355,9 @@ def _mean_dims(dim: Any) -> tuple[int, ...] | None:
     ok = isinstance(dim, numbers.Integral) and not isinstance(dim, bool)
     ok = ok or (isinstance(dim, tuple) and all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in dim))
     if not ok:
-        raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}) is not None, an int or a tuple of ints",
-                                remedy="mean_ablate(dim=0) averages over the batch axis", dim=repr(dim))
+        raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}) is not None, an int, a tuple of "
+                                "ints or 'members'", remedy="mean_ablate(dim=0) averages over the batch axis",
+                                dim=repr(dim))
     dims = (int(dim),) if not isinstance(dim, tuple) else tuple(int(d) for d in dim)
     if len(set(dims)) != len(dims):
         raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}) names an axis twice",
@@ -269,13 +366,19 @@ def _mean_dims(dim: Any) -> tuple[int, ...] | None:
 
 
 def mean_ablate(source: Any = None, *, dim: Any, allow_shape_change: bool = False) -> Edit:
-    """Fill the site with a mean over `dim` (None: every axis) of `source` (default: the site)."""
-    dims = _mean_dims(dim)
+    """Fill the site with a mean over `dim` (None: every axis) of `source` (default: the site).
+    A `Population` source is averaged over its members first (`dim="members"` keeps that
+    member-shaped mean)."""
+    population = source if isinstance(source, Population) else None
+    dims = _mean_dims(dim, members_ok=population is not None)
     _allow("mean_ablate", allow_shape_change)
     src_shape: tuple | None = None
-    if source is not None and not hasattr(source, "out"):
+    if population is not None:
+        src_shape = population.shape
+    elif source is not None and not hasattr(source, "out"):
         src_shape = C.tensor("mean_ablate", "source", source,
-                             remedy="pass a finite tensor, an Op (its .out), or no source (the site's own value)")
+                             remedy="pass a finite tensor, an Op (its .out), a tl.intervention.Population, or no source "
+                             "(the site's own value)")
     elif source is not None:
         src_shape = tuple(getattr(source, "shape", None) or ()) or None
 
@@ -283,7 +386,9 @@ def mean_ablate(source: Any = None, *, dim: Any, allow_shape_change: bool = Fals
         shape = site if source is None else src_shape
         if shape is None:
             return
-        if dims is not None:
+        if dims == "members":
+            reduced = tuple(shape)
+        elif dims is not None:
             for d in dims:
                 if not -len(shape) <= d < len(shape):
                     raise InterventionError("intervention_over_invalid", f"mean_ablate(dim={dim!r}): axis {d} is not an "
@@ -296,13 +401,24 @@ def mean_ablate(source: Any = None, *, dim: Any, allow_shape_change: bool = Fals
         C.broadcast_into("mean_ablate", "the mean of source", reduced, site, allow_shape_change)
 
     def fn(v, ctx):
-        src = v if source is None else _source_value(source, ctx)
-        m = ctx.ops.mean(src, dim, True)
+        if population is not None:
+            src = population.mean(v, ctx.ops)
+            m = src if dims == "members" else ctx.ops.mean(src, dim, True)
+        else:
+            src = v if source is None else _source_value(source, ctx)
+            m = ctx.ops.mean(src, dim, True)
         return ctx.ops.zeros_like(v) + m
 
-    tensors = () if source is None or not hasattr(source, "shape") else (source,)
-    return _builtin(Edit("mean_ablate", (("source", source), ("dim", dim)), fn, signal="forward", tensors=tensors,
-                         allow_shape_change=allow_shape_change, check=check))
+    if population is not None:
+        tensors = population.tensors()
+    else:
+        tensors = () if source is None or not hasattr(source, "shape") else (source,)
+    edit = _builtin(Edit("mean_ablate", (("source", source), ("dim", dim)), fn, signal="forward", tensors=tensors,
+                         allow_shape_change=allow_shape_change, check=check,
+                         portability="opaque_audit" if population is not None else "builtin"))
+    if population is not None:
+        object.__setattr__(edit, "_audit_extra", {"stochastic": False})
+    return edit
 
 
 def replace_with(value: Any, *, allow_shape_change: bool = False) -> Edit:
@@ -439,10 +555,27 @@ def swap_with(donor: Any) -> Edit:
     return replace_with(donor)
 
 
-def scramble_elements(seed: int = 0) -> Edit:
-    """Replace the site with an iid scramble of its own flattened elements."""
+def scramble_elements(seed: int = 0, *, source: Any = None) -> Edit:
+    """Replace the site with a scramble of its own flattened elements (a seeded permutation),
+    or, with `source=` (a finite tensor), with elements drawn iid (uniformly, with replacement)
+    from the flattened source: element i of the site gets `flat(source)[idx[i]]`, idx drawn by
+    `numpy.random.default_rng(seed).integers(0, source.size, site.size)`."""
     C.integer("scramble_elements", "seed", seed, low=0, high=2**63 - 1, remedy="seed= a non-negative int")
-    return _builtin(Edit("scramble_elements", (("seed", seed),), lambda v, ctx: ctx.ops.permute_flat(v, seed)))
+    if source is None:
+        return _builtin(Edit("scramble_elements", (("seed", seed),), lambda v, ctx: ctx.ops.permute_flat(v, seed)))
+    remedy = "scramble_elements(seed=0, source=t) with a finite tensor holding at least one element"
+    shape = C.tensor("scramble_elements", "source", source, remedy=remedy)
+    size = int(np.prod(shape)) if shape else 1
+    if size == 0:
+        raise C.bad("scramble_elements", "source= has no elements to draw from", remedy, argument="source")
+
+    def fn(v: Any, ctx: HookContext) -> Any:
+        n = int(np.prod(tuple(v.shape))) if tuple(v.shape) else 1
+        idx = np.random.default_rng(int(seed)).integers(0, size, n)
+        flat = ctx.ops.asarray(source, v).reshape(-1)
+        return flat[ctx.ops.asarray(idx, None)].reshape(tuple(v.shape))
+
+    return _builtin(Edit("scramble_elements", (("seed", seed), ("source", source)), fn, tensors=(source,)))
 
 
 def hook(fn: Callable[..., Any]) -> Edit:
@@ -679,6 +812,18 @@ def keep_grad(edit: Any) -> Edit:
     inner = as_edit(edit)
 
     def fn(v: Any, ctx: HookContext) -> Any:
+        frontier = ctx.trace is not None and _DIFFERENTIABLE_REPLAY.get()
+        if hasattr(v, "requires_grad") and not v.requires_grad and not frontier:
+            # glossary l. 359: the site value itself carries no graph (a capture or call under no_grad, a value
+            # no parameter reaches): nothing the edit writes can keep one. A differentiable replay's frontier
+            # value may lack one; that case warns keep_grad_replay_frontier below instead.
+            from torchlens.errors import InvalidArgumentError
+
+            raise InvalidArgumentError("edit_detached_from_graph", f"keep_grad({inner.name}) at {ctx.label}: the site "
+                                       "value carries no autograd graph (gradients disabled, e.g. under no_grad, or no "
+                                       "parameter or grad-requiring input reaches it)", remedy="run with gradients "
+                                       "enabled (no torch.no_grad(), no CaptureOptions(inference_only=True)), or edit a "
+                                       "site the parameters reach", label=ctx.label, reason="site_has_no_graph")
         out = inner(v, ctx)
         if getattr(v, "requires_grad", False) and not getattr(out, "requires_grad", True):
             from torchlens.errors import InvalidArgumentError
@@ -686,11 +831,52 @@ def keep_grad(edit: Any) -> Edit:
             raise InvalidArgumentError("edit_detached_from_graph", f"{inner.name} at {ctx.label} wrote values with no graph",
                                        remedy="use a graph-keeping form, e.g. keep_grad(tl.scale(0.0))", label=ctx.label,
                                        reason="edit_detached")
+        if ctx.trace is not None and _DIFFERENTIABLE_REPLAY.get() and getattr(v, "grad_fn", None) is None:
+            # the check passed on a differentiable replay whose frontier value carries no autograd history
+            # (a payload recorded without a graph): nothing upstream of it can get a gradient
+            _warn_replay_frontier(inner.name, ctx.label)
         return out
 
     return _builtin(Edit(inner.name, inner.kwargs + (("keep_grad", True),), fn, portability="opaque_audit",
                          signal=inner.signal, tensors=inner.tensors, allow_shape_change=inner.allow_shape_change,
                          check=inner.check), trusted=inner.trusted)
+
+
+#: True inside a differentiable replay (`do(..., intervention=InterventionOptions(differentiable=True))`)
+_DIFFERENTIABLE_REPLAY: contextvars.ContextVar[bool] = contextvars.ContextVar("tl_differentiable_replay", default=False)
+#: keep_grad_replay_frontier is said once per session (process)
+_FRONTIER_WARNED = False
+
+
+@contextlib.contextmanager
+def differentiable_replay() -> Any:
+    """Mark the replay run inside as differentiable (entered by `Trace.do` with
+    `InterventionOptions(differentiable=True)`), so a keep_grad edit can say where its
+    gradients stop."""
+    token = _DIFFERENTIABLE_REPLAY.set(True)
+    try:
+        yield
+    finally:
+        _DIFFERENTIABLE_REPLAY.reset(token)
+
+
+def _warn_replay_frontier(name: str, label: str) -> None:
+    """glossary l. 361: once per session, a passing keep_grad check under differentiable replay
+    warns keep_grad_replay_frontier: replay starts at the edited site, so the parameters upstream
+    of it get no gradient from the replayed outputs."""
+    global _FRONTIER_WARNED
+    if _FRONTIER_WARNED:
+        return
+    _FRONTIER_WARNED = True
+    import warnings
+
+    from torchlens.errors import ReplayFrontierWarning
+
+    warnings.warn(ReplayFrontierWarning(
+        "keep_grad_replay_frontier", f"keep_grad({name}) at {label} kept the graph of the differentiable replay, which "
+        f"starts at {label}: parameters upstream of the replay frontier get no gradient (said once per session)",
+        remedy="for gradients to every parameter use the live path tl.when(site, keep_grad(edit)).bind(model)(x), or "
+        "rerun with model= and inputs=", label=label, edit=name), stacklevel=2)
 
 
 def stamp_tensors(edit: Edit) -> None:

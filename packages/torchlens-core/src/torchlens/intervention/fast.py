@@ -135,7 +135,7 @@ def fast_rerun(trace: Any, model: Any, inputs: tuple, input_kwargs: dict, recipe
     fired_rules = [repr(recipe.rules[i].target) for i in range(len(rules)) if fired.get(i)]
     unfired = [repr(recipe.rules[i].target) for i in range(len(rules)) if not fired.get(i)]
     st = _state(result)
-    st["last_run"] = {"engine": "guarded_fast", "fast_refused": None, "hooks_fired": len(fired_rules),
+    st.last_run = {"engine": "guarded_fast", "fast_refused": None, "hooks_fired": len(fired_rules),
                       "hooks_unfired": unfired, "refreshed": sorted(values, key=lambda lb: trace._ops[lb].index)}
-    st["steered_digest"] = recipe.digest
+    st.steered_digest = recipe.digest
     return result

@@ -8,6 +8,7 @@ trace option `_edit_plan`). A graph-stable edit records the same graph, which is
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -15,6 +16,7 @@ from torchlens.backends.protocol import SupportsInterventions, supports
 from torchlens.errors import InterventionError
 from torchlens.intervention.edits import Edit, HookContext, fire
 from torchlens.intervention.recipe import Recipe
+from torchlens.intervention.state import state_of
 
 
 class EditPlan:
@@ -119,13 +121,17 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
     result = proto.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=plan)
     diverged = check_divergence(structure, result, set(by_event) | set(grad_by_event), warn=check_graph)
     st = _state(result)
-    st["recipe"] = recipe
-    st["is_fork"] = True
+    st.recipe = recipe
+    st.is_fork = True
     _audit(st, engine, resolved)
-    st["steered_digest"] = recipe.digest  # the recorded values reflect exactly this recipe
-    st["live_armed"] = tuple(r.identity() for r in recipe.rules if r.signal == "backward")  # hooked on this graph
+    st.steered_digest = recipe.digest  # the recorded values reflect exactly this recipe
+    st.live_armed = tuple(r.identity() for r in recipe.rules if r.signal == "backward")  # hooked on this graph
     fired_rules, unfired_rules = _fire_report(resolved, result, plan)
-    st["last_run"] = {"engine": engine, "hooks_fired": len(fired_rules), "hooks_unfired": unfired_rules,
+    if engine == "rerun":  # S2: a rerun edit that matched sites but cannot fire live refuses (spec l. 289, 811)
+        from torchlens.intervention.checks import refuse_unmatchable_live
+
+        refuse_unmatchable_live(resolved, plan.fired, {o.label: o.event_id for o in result._ops.values()})
+    st.last_run = {"engine": engine, "hooks_fired": len(fired_rules), "hooks_unfired": unfired_rules,
                       "unfired_sites": [labels[e] for e in by_event if e not in plan.fired],
                       "backward_ready_forced": forced, "armed_gradient_edits": len(grad_by_event),
                       "graph_diverged_at": diverged}
@@ -215,7 +221,7 @@ def rerun(trace: Any, model: Any, inputs: Any, recipe: Recipe, *, on_zero_fire: 
     result = live_capture(proto, model, _as_args(inputs), dict(input_kwargs or {}), recipe, save=save, capture=capture,
                           on_zero_fire=on_zero_fire, zero_fire_code="rerun_zero_fire", check_graph=check_graph,
                           engine="rerun")
-    result._intervention["last_run"]["fast_refused"] = fast_refused
+    state_of(result).last_run["fast_refused"] = fast_refused
     return result
 
 
@@ -253,6 +259,36 @@ def _refuse_alias_spellings(model: Any, addresses: list[str]) -> None:
                 "cannot tell which name it called the module through",
                 remedy=f"select the canonical name tl.module({canonical[id(obj)]!r})", address=address,
                 canonical=canonical[id(obj)])
+
+
+def _steered_lazy(it: Any, settle: Any) -> Any:
+    """A sync lazy output of a bound call (glossary l. 282): the edits stay attached while it is
+    iterated, and `settle` (detach the edits, write last_report, apply the zero-fire policy) runs
+    once when the iteration is exhausted, closed or raises."""
+    done = False
+
+    def finish() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            settle()
+
+    try:
+        while True:
+            try:
+                item = next(it)
+            except StopIteration as stop:
+                finish()
+                return stop.value
+            yield item
+    except BaseException:
+        close = getattr(it, "close", None)
+        if callable(close):
+            close()
+        finish()
+        raise
+    finally:
+        finish()
 
 
 class BoundModel:
@@ -312,21 +348,35 @@ class BoundModel:
             handle = proto.attach_module_edits(self._model, module_rules, ops, fired)
             try:
                 out = call()
-            finally:
+            except BaseException:
                 handle.remove()
-            zero = [i for i in range(len(module_rules)) if not fired.get(i)]
-            self.last_report = {"mode": "module_hooks", "fire_counts": dict(fired), "zero_fire_rule_ids": zero}
-            if zero:
-                from torchlens.intervention.verbs import _zero_fire
+                raise
+            from torchlens.intervention.checks import refuse_async_lazy
 
-                _zero_fire(self._on_zero_fire, "bind_zero_fire", [self._recipe.rules[i] for i in zero])
+            def settle() -> None:
+                handle.remove()
+                zero = [i for i in range(len(module_rules)) if not fired.get(i)]
+                self.last_report = {"mode": "module_hooks", "fire_counts": dict(fired), "zero_fire_rule_ids": zero}
+                if zero:
+                    from torchlens.intervention.verbs import _zero_fire
+
+                    _zero_fire(self._on_zero_fire, "bind_zero_fire", [self._recipe.rules[i] for i in zero])
+
+            try:
+                refuse_async_lazy(out)  # bind_lazy_output (glossary l. 282)
+            except BaseException:
+                handle.remove()
+                raise
+            if inspect.isgenerator(out) or (hasattr(out, "__next__") and hasattr(out, "__iter__")
+                                            and not isinstance(out, (str, bytes)) and not hasattr(out, "shape")):
+                return _steered_lazy(out, settle)  # stays steered for every step; settles when it ends
+            settle()
             return out
         from torchlens.options import CaptureOptions
 
         result = live_capture(proto, self._model, args, kwargs, self._recipe, save="none", capture=CaptureOptions(),
                               on_zero_fire=self._on_zero_fire, zero_fire_code="bind_zero_fire")
-        st = result._intervention
-        self.last_report = {"mode": "capture", **(st["last_run"] or {})}
+        self.last_report = {"mode": "capture", **(state_of(result).last_run or {})}
         return result.output
 
     def __getattr__(self, name: str) -> Any:

@@ -1,8 +1,9 @@
 """The replay engine: push edited values down the recorded graph without the model.
 
-Only the downstream cone of the edited ops is recomputed, by calling each op's recorded
-callable on its argument template (`OpEvent.args_template`, `ArgRef`s standing for parents
-and parameters) filled with the current values. Multi-pass layers are keyed per pass.
+Only the downstream cone of the edited ops is recomputed, each op through the one per-op
+replay engine (`torchlens.replay.engine.Replayer.run`: its recorded callable on its argument
+template filled with the current values, with the backend's edit ops supplying
+`replay_args` and `rng_state`). Multi-pass layers are keyed per pass.
 Nothing is written to the trace until the whole cone has been computed.
 """
 
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchlens.build.events import ArgRef, fill_template
 from torchlens.errors import InterventionError
 from torchlens.intervention.edits import Edit, HookContext, fire
+from torchlens.replay.engine import Replayer, ReplayFailure
 
 
 def _check_shape(op: Any, edit: Edit, before: Any, after: Any) -> None:
@@ -57,14 +58,15 @@ def replay(trace: Any, edits: dict[str, list[Edit]], *, allow_changed_params: bo
 
     cone = _cone(trace, order[0].index, edits, ev2label)
     refuse_opaque(trace, cone)  # before any op or edit runs
-    from torchlens.intervention.preconditions import check_value_reads, refuse_unreplayable
+    from torchlens.replay.preconditions import check_value_reads, refuse_unreplayable
 
     refuse_unreplayable(trace, cone)  # ops the capture marked as not re-executable (autograd.grad in the forward)
-    from torchlens.intervention.params import check_params_unchanged
+    from torchlens.replay.params import check_params_unchanged
 
     used_changed = check_params_unchanged(trace, cone, allow=allow_changed_params)  # before any op or edit runs
     if report is not None:
         report["replayed_with_changed_params"] = used_changed
+    engine = Replayer(trace, ops)  # the one per-op replay engine; `ops` supplies replay_args / rng_state
     changed: dict[str, tuple] = {}
     reexecuted: list[str] = []
     run_state: dict = {}
@@ -76,7 +78,7 @@ def replay(trace: Any, edits: dict[str, list[Edit]], *, allow_changed_params: bo
         if not parent_changed and not mine:
             continue
         if parent_changed:
-            outs = _reexecute(trace, op, ev2label, changed, ops)
+            outs = _reexecute(trace, op, ev2label, changed, engine)
             if op.kind == "op":
                 reexecuted.append(op.label)
         else:
@@ -99,56 +101,37 @@ def _cone(trace: Any, start: int, edits: dict, ev2label: dict) -> list[Any]:
     return cone
 
 
+def _payload_missing(label: str) -> InterventionError:
+    return InterventionError("replay_payload_missing", f"replay needs the saved value of {label}",
+                             remedy=f"capture with save='all' (or include {label!r} in save=), or use the rerun engine "
+                             "(pass model= and inputs=)", label=label)
+
+
 def _payload(op: Any) -> tuple:
     if not op.saved:
-        raise InterventionError("replay_payload_missing", f"replay needs the saved value of {op.label}",
-                                remedy=f"capture with save='all' (or include {op.label!r} in save=), or use the rerun engine "
-                                "(pass model= and inputs=)", label=op.label)
+        raise _payload_missing(op.label)
     return op.outs
 
 
-def _value(trace: Any, ref: ArgRef, op: Any, ev2label: dict, changed: dict) -> Any:
-    if ref.address is not None:
-        rec = trace._params.get(ref.address) or trace._buffers.get(ref.address)
-        if rec is None or rec.value is None:
-            raise InterventionError("replay_template_missing", f"{op.label} reads {ref.address}, which the trace does not hold",
-                                    remedy="use the rerun engine (model= and inputs=)", label=op.label)
-        return rec.value
-    eid, slot = op.parent_slots[ref.index]
-    label = ev2label[eid]
-    outs = changed.get(label)
-    if outs is None:
-        outs = _payload(trace._ops[label])
-    return outs[slot]
-
-
-def _reexecute(trace: Any, op: Any, ev2label: dict, changed: dict, ops: Any) -> tuple:
+def _reexecute(trace: Any, op: Any, ev2label: dict, changed: dict, engine: Replayer) -> tuple:
+    """Re-execute `op` on its edited parents through the replay engine (`torchlens.replay`)."""
     if op.kind == "output":
         eid, slot = op.parent_slots[0]
         return (changed[ev2label[eid]][slot],) if ev2label[eid] in changed else op.outs
-    if op.func is None or op.args_template is None:
-        raise InterventionError("replay_template_missing", f"{op.label} ({op.func_name}) has no recorded callable and arguments",
-                                remedy="use the rerun engine: trace.do(site, edit, model=model, inputs=x)", label=op.label)
-
-    def fill(ref: ArgRef) -> Any:
-        v = _value(trace, ref, op, ev2label, changed)
-        return v
-
-    args = fill_template(op.args_template, fill)
-    kwargs = fill_template(op.kwargs_template or {}, fill)
-    args, kwargs = ops.replay_args(op, tuple(args), dict(kwargs))  # the backend knows which arguments an op writes into
-    state = op.meta.get("rng_state")
     try:
-        with ops.rng_state(state):
-            out = op.func(*args, **kwargs)
+        return engine.run(op, changed=changed)
+    except ReplayFailure as f:
+        if f.kind == "payload_missing":
+            raise _payload_missing(f.label) from None
+        if f.kind == "param_missing":
+            raise InterventionError("replay_template_missing", f.detail, remedy="use the rerun engine (model= and inputs=)",
+                                    label=op.label) from None
+        raise InterventionError("replay_template_missing", f.detail,
+                                remedy="use the rerun engine: trace.do(site, edit, model=model, inputs=x)",
+                                label=op.label) from None
     except InterventionError:
         raise
     except Exception as exc:
         raise InterventionError("replay_execution_failed", f"re-executing {op.label} ({op.func_name}) raised "
                                 f"{type(exc).__name__}: {exc}", remedy="use the rerun engine (model= and inputs=)",
                                 label=op.label) from exc
-    if op.func_name == "__setitem__" or (op.is_inplace and out is None):
-        out = args[0]
-    if op.multi_output:
-        return tuple(out)
-    return (out,)

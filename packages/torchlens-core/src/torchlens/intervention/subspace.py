@@ -46,15 +46,9 @@ _UNSUPPORTED = {
 
 
 def _host(v: Any) -> np.ndarray:
-    if isinstance(v, np.ndarray):
-        return v
-    detach = getattr(v, "detach", None)
-    if detach is not None:
-        v = detach().cpu()
-        if str(v.dtype) == "torch.bfloat16":
-            v = v.float()
-        return v.numpy()
-    return np.asarray(v)
+    """A basis, mask or source read on the host through its backend's `host_copy` (core calls
+    no framework method on a value; `checks.to_numpy`)."""
+    return C.to_numpy(v)
 
 
 def orthonormal_rows(basis: Any, atol: float = 0.0) -> tuple[np.ndarray, bool]:
@@ -207,7 +201,37 @@ def subspace(site: Any, basis: Any, *, origin: str | None = None, method: str | 
         if text is not None and not isinstance(text, str):
             raise C.bad("subspace", f"{name}= is text, not {type(text).__name__}", f"{name}='...' or None")
     orthonormal_rows(basis, atol)  # refuse a bad basis at construction
-    return SubspaceSite(site, basis, origin, method, atol)
+    sub = SubspaceSite(site, basis, origin, method, atol)
+    if isinstance(site, UnitsSite):
+        refuse_partial_axis(site.mask, sub.support())
+    return sub
+
+
+def refuse_partial_axis(mask: Any, support: np.ndarray) -> None:
+    """interventions.md l. 98: under tl.subspace(tl.units(site, mask), basis) the mask picks
+    whole positions: at each position (every index but the bound last axis) it must be True
+    on every feature of the basis's support or on none of them. A mask covering only part
+    of the support at a position has no projection meaning (the component along a basis row
+    is not defined on half its features), so it refuses subspace_projection_partial_axis.
+    A mask of width 1 on the last axis broadcasts over the features and always passes."""
+    m = np.asarray(_host(mask), dtype=bool)
+    d = int(support.shape[0])
+    if m.ndim == 0 or m.shape[-1] == 1:
+        return
+    if m.shape[-1] != d:  # a mask of another width is refused by the staging check (edit_argument_shape_mismatch)
+        return
+    on = m[..., support]
+    partial = np.any(on, axis=-1) & ~np.all(on, axis=-1)
+    if np.any(partial):
+        where = tuple(int(i) for i in np.argwhere(partial)[0])
+        covered = int(np.count_nonzero(on[where]))
+        raise InterventionError("subspace_projection_partial_axis", f"the tl.units mask covers {covered} of the "
+                                f"{int(support.sum())} features the basis touches at position {where}: a subspace "
+                                "edit restricted with tl.units picks whole positions",
+                                remedy="make the mask True on every feature of each chosen position (e.g. "
+                                "mask[..., :] = mask.any(-1, keepdims=True)), or edit elements directly with "
+                                "do(tl.units(site, mask), edit) without tl.subspace", position=where,
+                                covered=covered, support=int(support.sum()))
 
 
 def _affine_array(name: str, v: Any, ndim: int, remedy: str) -> np.ndarray:
@@ -310,8 +334,15 @@ def subspace_edit_from_rows(q64: np.ndarray, verb: Edit, *, mask: Any = None, or
     tensors = ((basis,) if basis is not None else ()) + verb.tensors
     check = _both(_width_check("subspace_edit", int(q64.shape[1])), None if mask is None else _mask_check(mask),
                   verb.check if _kind(verb) == "value" else None)
-    return _builtin(Edit("subspace_edit", kwargs, fn, portability=verb.portability, signal=verb.signal, tensors=tensors,
-                         check=check), trusted=verb.trusted)
+    return _keep_extra(verb, _builtin(Edit("subspace_edit", kwargs, fn, portability=verb.portability, signal=verb.signal,
+                                           tensors=tensors, check=check), trusted=verb.trusted))
+
+
+def _keep_extra(verb: Edit, wrapped: Edit) -> Edit:
+    """The wrapper keeps the audit facts of the verb it applies (a Population mean: stochastic=False)."""
+    if verb.audit_extra:
+        object.__setattr__(wrapped, "_audit_extra", verb.audit_extra)
+    return wrapped
 
 
 def units_edit(mask: Any, verb: Edit) -> Edit:
@@ -321,10 +352,10 @@ def units_edit(mask: Any, verb: Edit) -> Edit:
         m = mask if hasattr(mask, "shape") and not isinstance(mask, np.ndarray) else ctx.ops.asarray(_host(mask), None)
         return ctx.ops.where(m, verb(x, ctx), x)
 
-    return _builtin(Edit("units_edit", (("verb", verb.name), ("verb_kwargs", verb.kwargs), ("mask", mask),
-                                        ("mask_sha256", array_sha256(mask))), fn,
-                         portability=verb.portability, signal=verb.signal, tensors=(mask,) + verb.tensors,
-                         check=_both(_mask_check(mask), verb.check)), trusted=verb.trusted)
+    return _keep_extra(verb, _builtin(Edit("units_edit", (("verb", verb.name), ("verb_kwargs", verb.kwargs),
+                                                         ("mask", mask), ("mask_sha256", array_sha256(mask))), fn,
+                                           portability=verb.portability, signal=verb.signal, tensors=(mask,) + verb.tensors,
+                                           check=_both(_mask_check(mask), verb.check)), trusted=verb.trusted))
 
 
 def _kind(verb: Edit) -> str:
@@ -350,6 +381,9 @@ def refuse_unsupported(verb: Edit) -> None:
         remedy = _UNSUPPORTED[verb.name]
     elif verb.name == "splice_module" and kw.get("input_route") != "out":
         remedy = "splice_module(module, input_route='out') acts on the coordinates"
+    elif verb.name == "scramble_elements" and kw.get("source") is not None:  # interventions.md l. 91: coordinate
+        remedy = ("scramble_elements acts on the coordinates only without source=: use scramble_elements(seed=...) "
+                  "under tl.subspace, or apply scramble_elements(seed=..., source=t) to the whole site")
     elif verb.name == "mean_ablate" and hasattr(kw.get("source"), "out"):
         remedy = "a source= that is an activation value has no subspace form: pass its tensor (op.out) as the source"
     elif verb.signal == "backward":
@@ -368,6 +402,7 @@ def lower(site: Any, edit: Edit) -> tuple[Any, Edit, str]:
     if isinstance(site, SubspaceSite):
         inner, mask = site.site, None
         if isinstance(inner, UnitsSite):
+            refuse_partial_axis(inner.mask, site.support())  # also for a SubspaceSite built without tl.subspace
             inner, mask = inner.site, inner.mask
         return inner, subspace_edit(site, edit, mask), f"projection:{site.origin or 'unnamed basis'}"
     if edit.name in SOURCE_VERBS:

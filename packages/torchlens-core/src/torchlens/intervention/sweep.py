@@ -10,21 +10,23 @@ def sweep(model: Any, inputs: Any, site: Any, values: Iterable[Any], *, edit: Ca
     """Capture `model(inputs)` once per value, with `site` set to that value.
 
     `edit` turns a value into an edit (default `tl.replace_with`, so a scalar fills the
-    site); `loss=` (a callable of each returned trace) runs its backward in the same call.
-    Returns the traces in the order of `values`.
+    site); `loss=` (a callable of each returned trace) runs its backward in the same call:
+    `t.backward(loss(t))`, so it returns what the backend's backward takes (a loss tensor on
+    torch; on JAX, whose arrays carry no graph, a function of the model output:
+    `loss=lambda t: lambda out: out.sum()`). Returns the traces in the order of `values`.
     """
     import torchlens as tl
     from torchlens.errors import InterventionError
 
+    if loss is not None and not callable(loss):  # refused before the first capture runs
+        raise InterventionError("do_loss_not_callable", "loss= takes a callable of the returned trace",
+                                remedy="loss=lambda t: t.output.sum()")
     make = edit or tl.replace_with
     args = tuple(inputs) if isinstance(inputs, tuple) else (inputs,)
     out = []
     for v in values:
         t = tl.trace(model, *args, save=save, intervene=tl.when(site, make(v)), **trace_kwargs)
         if loss is not None:
-            if not callable(loss):
-                raise InterventionError("do_loss_not_callable", "loss= takes a callable of the returned trace",
-                                        remedy="loss=lambda t: t.output.sum()")
             t.backward(loss(t))
         out.append(t)
     return out

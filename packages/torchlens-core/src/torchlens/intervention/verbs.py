@@ -7,8 +7,9 @@ from typing import Any
 
 from torchlens.backends.protocol import edit_ops_of
 from torchlens.errors import InterventionError, TraceMutationWarning
-from torchlens.intervention.edits import Edit, as_edit
+from torchlens.intervention.edits import Edit, as_edit, fire
 from torchlens.intervention.recipe import Recipe, Rule
+from torchlens.intervention.state import InterventionState, state_of
 
 
 def resolve_site(trace: Any, site: Any) -> list[str]:
@@ -49,12 +50,9 @@ def normalize_plan(site: Any, edit: Any) -> list[Rule]:
     return [Rule(site, edit)]
 
 
-def _state(trace: Any) -> dict:
-    st = trace._intervention
-    if st is None:
-        st = trace._intervention = {"recipe": Recipe(), "audit": [], "warned": False, "last_run": None,
-                                    "is_fork": False}
-    return st
+def _state(trace: Any) -> InterventionState:
+    """The trace's typed intervention state (made on first use)."""
+    return state_of(trace)
 
 
 def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs: Any = None, intervention: Any = None,
@@ -99,24 +97,27 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
     st = _state(trace)
     if engine == "set_only":
         _warn_root(trace, st)
-        st["recipe"] = Recipe(st["recipe"].rules + tuple(rules))
+        st.recipe = Recipe(st.recipe.rules + tuple(rules))
         _audit(st, engine, resolved)
-        for row, r in zip(st["audit"][-len(resolved):], rules):
-            if r.signal == "backward":  # no hook can reach a graph already built: it waits for a rerun's backward
-                row["armed_for"] = "next_rerun"
+        armable = _arming_ops(trace) is not None and _backward_ready(trace)
+        for row, r in zip(st.audit[-len(resolved):], rules):
+            if r.signal == "backward":
+                # on a backward-ready capture whose backend can hook its kept graph, trace.backward
+                # arms it ("trace_backward" once armed); else it waits for a rerun's backward
+                row["armed_for"] = "trace_backward_pending" if armable else "next_rerun"
         return trace
     if engine == "rerun":
         from torchlens.intervention.live import rerun
 
-        new_recipe = Recipe(st["recipe"].rules + tuple(rules))
+        new_recipe = Recipe(st.recipe.rules + tuple(rules))
         result = rerun(trace, model, inputs, new_recipe, on_zero_fire=opts.on_zero_fire, input_kwargs=input_kwargs)
         _warn_root(trace, st)
         _adopt(trace, result)
         st = _state(trace)
-        st["recipe"] = new_recipe
-        st["steered_digest"] = new_recipe.digest
-        st["live_armed"] = result._intervention.get("live_armed", ())
-        st["last_run"] = result._intervention["last_run"]
+        st.recipe = new_recipe
+        st.steered_digest = new_recipe.digest
+        st.live_armed = _state(result).live_armed
+        st.last_run = _state(result).last_run
         _audit(st, engine, resolved)
         if loss is not None:
             trace.backward(loss(trace))
@@ -130,9 +131,13 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         ops = edit_ops_of(backend, "differentiable replay")
         backend.capabilities().refuse_unless("backward_capture", f"differentiable replay needs gradients: the "
                                              f"{backend.name} backend does not declare backward_capture")
-        with ops.grad_enabled():  # DifferentiableEditOps (checked at registration)
-            return do(target, site, edit, intervention=InterventionOptions(
+        from torchlens.intervention.edits import differentiable_replay  # S2: keep_grad_replay_frontier
+
+        with ops.grad_enabled(), differentiable_replay():  # DifferentiableEditOps (checked at registration)
+            result = do(target, site, edit, intervention=InterventionOptions(
                 engine="replay", on_zero_fire=opts.on_zero_fire, allow_changed_params=opts.allow_changed_params))
+        _keep_replay_for_backward(result, ops)
+        return result
 
     plan: dict[str, list[Edit]] = {}
     for r, labels, applied, _ in resolved:
@@ -147,14 +152,41 @@ def do(trace: Any, site: Any, edit: Any = None, /, *, model: Any = None, inputs:
         trace._ops[label].replace_outputs(outs)
     if trace._output_state is None and any(trace._ops[lb].kind == "output" for lb in changed):
         trace.drop_output("edited")  # the live return is the clean value
-    if steered_digest(trace) == st["recipe"].digest:  # the values reflected the recipe; now they reflect the new one
-        st["steered_digest"] = Recipe(st["recipe"].rules + tuple(rules)).digest
-    st["recipe"] = Recipe(st["recipe"].rules + tuple(rules))
-    st["last_run"] = {"engine": "replay", "origins": sorted(plan, key=lambda lb: trace._ops[lb].index),
+    if steered_digest(trace) == st.recipe.digest:  # the values reflected the recipe; now they reflect the new one
+        st.steered_digest = Recipe(st.recipe.rules + tuple(rules)).digest
+    st.recipe = Recipe(st.recipe.rules + tuple(rules))
+    st.last_run = {"engine": "replay", "origins": sorted(plan, key=lambda lb: trace._ops[lb].index),
                       "cone": list(changed), "reexecuted": reexecuted, "num_reexecuted": len(reexecuted),
                       "replayed_with_changed_params": report.get("replayed_with_changed_params", [])}
     _audit(st, engine, resolved)
     return trace
+
+
+def _backward_ready(trace: Any) -> bool:
+    """The trace was captured keeping its backward graph (`CaptureOptions(backward_ready=True)`)."""
+    from torchlens.options import CaptureOptions, TraceOptions
+
+    opts = trace.options
+    if isinstance(opts, TraceOptions):
+        opts = opts.capture_options()
+    return isinstance(opts, CaptureOptions) and bool(opts.backward_ready or opts.save_grads)
+
+
+def _keep_replay_for_backward(trace: Any, ops: Any) -> None:
+    """Hand a graph-free backend (`ReplayGradientOps`) every edit a differentiable fork's values
+    reflect, when they reflect exactly its recipe of forward rules (else its backward refuses)."""
+    from torchlens.intervention.state import ReplayGradientOps, offers
+
+    st = _state(trace)
+    if not offers(ops, ReplayGradientOps) or st.steered_digest != st.recipe.digest:
+        return
+    if any(r.signal == "backward" for r in st.recipe.rules):
+        return
+    edits: dict[str, list[Edit]] = {}
+    for _r, labels, applied, _source in lower_rules(trace, list(st.recipe.rules)):
+        for label in labels:
+            edits.setdefault(label, []).append(applied)
+    ops.keep_replay_for_backward(trace, edits)
 
 
 def _zero_fire(policy: str, code: str, rules: list[Rule], trace: Any = None) -> None:
@@ -200,9 +232,9 @@ def _non_tensor_module_output(trace: Any, rules: list[Rule]) -> dict[str, str]:
     return {}
 
 
-def _warn_root(trace: Any, st: dict) -> None:
-    if not st["is_fork"] and not st["warned"]:
-        st["warned"] = True
+def _warn_root(trace: Any, st: InterventionState) -> None:
+    if not st.is_fork and not st.warned:
+        st.warned = True
         warnings.warn("editing a root trace in place; use trace.fork() for branched experiments",
                       TraceMutationWarning, stacklevel=4)
 
@@ -214,6 +246,11 @@ def lower_rules(trace: Any, rules: list[Rule]) -> list[tuple[Rule, list[str], Ed
 
     out = []
     for r in rules:
+        if getattr(r.target, "_tl_facet", False):  # tl.facet / tl.head: written back into each home op
+            from torchlens.select.facet import lower_facet
+
+            out += [(r, [label], applied, source) for label, applied, source in lower_facet(trace, r.target, r.edit)]
+            continue
         site, applied, source = lower(r.target, r.edit)
         out.append((r, resolve_site(trace, site), applied, source))
     return out
@@ -231,12 +268,13 @@ def check_sites(trace: Any, resolved: list) -> None:
                     applied.check_site(shape)
 
 
-def _audit(st: dict, engine: str, resolved: list) -> None:
+def _audit(st: InterventionState, engine: str, resolved: list) -> None:
     for r, labels, applied, source in resolved:
-        st["audit"].append({
+        st.audit.append({
             "engine": engine, "edit": r.edit.name, "applied": applied.name, "edit_identity": applied.identity(),
             "target": repr(r.target), "signal": r.signal, "sites": [{"label": lb, "source": source} for lb in labels],
             "fire_count": len(labels), "status": "fired" if labels else "no_fire",
+            **applied.audit_extra,  # S2: facts the edit adds (a Population mean: stochastic=False)
         })
 
 
@@ -246,11 +284,7 @@ def fork(trace: Any, name: str | None = None) -> Any:
     values, and a user callable is handed its own copy (`edits.fire`)."""
     new = trace.copy(name or f"{trace.name}-fork")  # records copied by their owner; no live output
     old = _state(trace)
-    new._intervention = {"recipe": old["recipe"], "audit": list(old["audit"]), "warned": True,
-                         "last_run": old["last_run"], "is_fork": True,
-                         "direct_writes": list(old.get("direct_writes", [])),
-                         "direct_write_dirty": bool(old.get("direct_write_dirty")),
-                         "steered_digest": steered_digest(trace), "live_armed": old.get("live_armed", ())}
+    new._intervention = old.forked(steered_digest(trace))
     return new
 
 
@@ -261,7 +295,7 @@ def _adopt(trace: Any, result: Any) -> None:
 
 def clear_edits(trace: Any, site: Any = None, handle: Any = None, *, strict: bool = False) -> Any:
     st = _state(trace)
-    rules = st["recipe"].rules
+    rules = st.recipe.rules
     if site is None and handle is None:
         if strict:
             raise InterventionError("clear_edits_unmatched", "clear_edits(strict=True) needs site= or handle=",
@@ -274,51 +308,111 @@ def clear_edits(trace: Any, site: Any = None, handle: Any = None, *, strict: boo
         if strict and len(kept) == len(rules):
             raise InterventionError("clear_edits_unmatched", f"no staged edit matches {site!r}",
                                     remedy="list the staged rules with trace.recipe.rules")
-    st["recipe"] = Recipe(kept)
+    st.recipe = Recipe(kept)
+    if trace.__dict__.get("_facet_writes"):  # the accepted same-home facet write masks go with their rules
+        from torchlens.intervention.edits import as_edit
+
+        live = {(repr(r.target), as_edit(r.edit).identity()) for r in kept if getattr(r.target, "_tl_facet", False)}
+        kept_writes = {label: [(k, m) for k, m in writes if k in live] for label, writes in trace._facet_writes.items()}
+        trace._facet_writes = {label: w for label, w in kept_writes.items() if w} or None
     return trace
 
 
 def recipe(trace: Any) -> Recipe:
-    return _state(trace)["recipe"]
+    return _state(trace).recipe
 
 
 def is_pristine(trace: Any) -> bool:
     """Read from the evidence the trace carries (its audit rows and direct writes, both
     saved with it): True only when nothing ever intervened."""
     st = _state(trace)
-    return not st["audit"] and not st.get("direct_writes") and not st.get("direct_write_dirty")
+    return not st.audit and not st.direct_writes and not st.direct_write_dirty
 
 
 def note_direct_write(trace: Any, label: str) -> bool:
     """Record a direct write (`op.out = v`) as evidence; True the first time for this trace."""
     st = _state(trace)
-    writes = st.setdefault("direct_writes", [])
-    if label not in writes:
-        writes.append(label)
-    first = not st.get("direct_write_dirty")
-    st["direct_write_dirty"] = True
+    if label not in st.direct_writes:
+        st.direct_writes.append(label)
+    first = not st.direct_write_dirty
+    st.direct_write_dirty = True
     return first
 
 
 def restore_state(trace: Any, saved: dict) -> None:
     """Give a loaded trace the intervention state its artifact saved (recipe and evidence)."""
     st = _state(trace)
-    st["recipe"] = saved["recipe"]
-    st["audit"] = list(saved["audit"])
-    st["steered_digest"] = saved["recipe"].digest if saved["steered"] else None
+    st.recipe = saved["recipe"]
+    st.audit = list(saved["audit"])
+    st.steered_digest = saved["recipe"].digest if saved["steered"] else None
     if saved["direct_writes"]:
-        st["direct_writes"] = list(saved["direct_writes"])
-        st["direct_write_dirty"] = True
+        st.direct_writes = list(saved["direct_writes"])
+        st.direct_write_dirty = True
 
 
 def unapplied_gradient_rules(trace: Any) -> list[Rule]:
-    """The gradient rules of the trace's recipe that its recorded backward graph does not
-    carry (only a live capture or rerun with the rule arms hooks on the graph it builds)."""
+    """Called by `trace.backward` before it runs: arm the gradient rules of the trace's recipe
+    that its recorded backward graph does not carry yet (staged with `engine="set_only"` after
+    capture) on that graph, when the backend can (`GradientArmingOps`: a backward-ready capture
+    whose saved values reach the live graph); return the rules left unapplied (all of them when
+    any site cannot be armed; nothing is armed then), which `trace.backward` refuses."""
     st = trace._intervention
     if st is None:
         return []
-    live = set(st.get("live_armed", ()))
-    return [r for r in st["recipe"].rules if r.signal == "backward" and r.identity() not in live]
+    live = set(st.live_armed)
+    pending = [r for r in st.recipe.rules if r.signal == "backward" and r.identity() not in live]
+    if pending:
+        return _arm_on_graph(trace, st, pending)
+    return []
+
+
+def _arming_ops(trace: Any) -> Any:
+    """The backend's edit ops when they can arm gradient edits after capture, else None."""
+    from torchlens.backends.protocol import SupportsInterventions, supports
+    from torchlens.intervention.state import GradientArmingOps, offers
+
+    backend = trace._backend
+    if backend is None or not supports(backend, SupportsInterventions):
+        return None
+    ops = backend.edit_ops()
+    return ops if offers(ops, GradientArmingOps) else None
+
+
+def _arm_on_graph(trace: Any, st: InterventionState, pending: list[Rule]) -> list[Rule]:
+    """Arm `pending` gradient rules on the trace's kept backward graph (see
+    `unapplied_gradient_rules`); the rules left unapplied."""
+    from torchlens.intervention.edits import HookContext
+
+    ops = _arming_ops(trace)
+    if ops is None:
+        return pending
+    resolved = lower_rules(trace, pending)
+    if any(not labels for _r, labels, _a, _s in resolved):
+        return pending  # a rule that matches no site here: refused, never silently dropped
+    by_label: dict[str, list[tuple[Rule, Edit]]] = {}
+    for r, labels, applied, _source in resolved:
+        for label in labels:
+            by_label.setdefault(label, []).append((r, applied))
+    run_state: dict = {}
+
+    def apply(label: str, slot: int, grad: Any) -> Any:
+        current = {r.identity() for r in st.recipe.rules}  # a rule cleared since arming no longer edits
+        edits = [e for r, e in by_label[label] if r.identity() in current]
+        if not edits:
+            return grad
+        ctx = HookContext(label, trace._ops.get(label), trace, ops, signal="backward", run_state=run_state)
+        for e in edits:
+            grad = fire(e, grad, ctx)
+        st.armed_site_grads.setdefault(label, {})[slot] = ops.clone(grad)  # the site's own `grad`
+        return grad
+
+    if ops.arm_gradient_edits(trace, list(by_label), apply):
+        return pending
+    st.live_armed = tuple(st.live_armed) + tuple(r.identity() for r in pending)
+    for row in st.audit:
+        if row.get("armed_for") == "trace_backward_pending" and any(row["target"] == repr(r.target) for r in pending):
+            row["armed_for"] = "trace_backward"
+    return []
 
 
 def refuse_placeholders(rules: Any) -> None:
@@ -341,7 +435,7 @@ def steered_digest(trace: Any) -> str | None:
     """The digest of the recipe the trace's recorded values reflect (a plain capture: the
     empty recipe's; None when unknown)."""
     st = _state(trace)
-    return st.get("steered_digest", Recipe().digest)
+    return st.steered_digest
 
 
 def _refuse_bound_method(trace: Any) -> None:
@@ -365,7 +459,7 @@ def run(trace: Any, model: Any, inputs: Any, /, *, input_kwargs: dict | None = N
     from torchlens.intervention.live import _as_args, rerun
 
     _refuse_bound_method(trace)
-    recipe_ = _state(trace)["recipe"]
+    recipe_ = _state(trace).recipe
     refuse_placeholders(recipe_.rules)
     fast_refused = None
     saved_all = all(o.saved for o in trace._ops.values())
@@ -378,8 +472,8 @@ def run(trace: Any, model: Any, inputs: Any, /, *, input_kwargs: dict | None = N
             fast_refused = f"{exc.code}:{exc.fields['stage']}"
         else:
             st = _state(result)
-            st["is_fork"] = True
-            unfired = [r for r in recipe_.rules if repr(r.target) in st["last_run"]["hooks_unfired"]]
+            st.is_fork = True
+            unfired = [r for r in recipe_.rules if repr(r.target) in st.last_run["hooks_unfired"]]
             _audit(st, "guarded_fast", [(r, [] if r in unfired else resolve_site(trace, r.target), r.edit, "module_hook")
                                         for r in recipe_.rules])
             if unfired:
@@ -388,8 +482,8 @@ def run(trace: Any, model: Any, inputs: Any, /, *, input_kwargs: dict | None = N
     result = rerun(trace, model, inputs, recipe_, on_zero_fire=on_zero_fire, input_kwargs=input_kwargs,
                    check_graph=False, fast_refused=fast_refused)
     st = _state(result)
-    st["recipe"] = _state(trace)["recipe"]
-    st["is_fork"] = True
+    st.recipe = _state(trace).recipe
+    st.is_fork = True
     return result
 
 

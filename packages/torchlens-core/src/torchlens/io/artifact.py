@@ -35,7 +35,7 @@ def artifact_kind(path: Any) -> str | None:
 
 
 def load_artifact(path: Any, lazy: bool = False) -> Any:
-    """`tl.load`: a Trace, an InterventionSpec (kind "intervention") or a Recipe."""
+    """`tl.load`: a Trace, an InterventionSpec (kind "intervention"), a Recipe or a Bundle."""
     from torchlens.io.bundle import repair
 
     repair(path)  # a save killed mid-publish is repaired before the kind is read
@@ -49,6 +49,10 @@ def load_artifact(path: Any, lazy: bool = False) -> Any:
             raise _arg("lazy= takes True or False")
         spec = load_intervention_spec(path)
         return spec.recipe if kind == "recipe" else spec
+    if kind == "bundle":  # a tl.Bundle of traces (not the .tlspec trace writer in io/bundle.py)
+        from torchlens.bundle.artifact import load_bundle
+
+        return load_bundle(path, lazy=lazy)
     from torchlens.io.bundle import load
 
     return load(path, lazy=lazy)
@@ -66,6 +70,12 @@ def validate_artifact(path: Any) -> dict[str, Any]:
 
         load_intervention_spec(path)
         return read_intervention_manifest(_as_path(path))
+    if kind == "bundle":
+        from torchlens.bundle.artifact import _read_checked_layout, load_bundle
+        from torchlens.io.bundle import _as_path
+
+        load_bundle(path)  # every check a load makes
+        return _read_checked_layout(_as_path(path))[0]
     from torchlens.io.bundle import validate
 
     return validate(path)

@@ -70,6 +70,8 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
                         "callable_placeholders": enc.callables, "output_not_stored": True},
         "files": {},
     }
+    texts = {kind: json.dumps(tables[kind], separators=(",", ":"), allow_nan=False).encode("ascii") for kind in RECORD_KINDS}
+    _refuse_unloadable(texts, manifest, codec, set(enc.payloads))  # save refuses what load would refuse
     st = _begin(target)
     tmp = st.path
     try:
@@ -77,7 +79,7 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
         (tmp / "blobs").mkdir()
         files: dict[str, dict[str, Any]] = {}
         for kind in RECORD_KINDS:
-            data = json.dumps(tables[kind], separators=(",", ":"), allow_nan=False).encode("ascii")
+            data = texts[kind]
             name = f"records/{kind}.json"
             publish.write_file(tmp / name, data, sync=False)
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
@@ -193,6 +195,30 @@ def _shard(payloads: dict[str, EncodedPayload]) -> dict[str, list[tuple[str, Enc
     return shards
 
 
+def _refuse_unloadable(texts: dict[str, bytes], manifest: dict[str, Any], codec: Any, keys: set[str]) -> None:
+    """Read the encoded records back as `load` reads them (JSON, typed cells, every
+    cross-reference, the rebuild) before anything is written; a refusal load would make is
+    raised now as `save_records_invalid`, naming load's code, and nothing is written."""
+    from torchlens.io.rebuild import rebuild_trace
+
+    def payload(key: str, where: str) -> Any:
+        if key not in keys:
+            raise ArtifactError("record_reference_invalid", f"{where} names payload {key!r}, which no payload record holds",
+                                remedy="the records are damaged; save the trace again", at=where)
+        return _CHECKED
+
+    try:
+        dec = Decoder(payload, getattr(codec, "decode_literal", None))
+        rows = {kind: [{col: dec.cell(ctype, cell, f"{kind}[{i}].{col}") for (col, ctype), cell in zip(SCHEMAS[kind], row)}
+                       for i, row in enumerate(check_table(kind, json.loads(texts[kind]), f"records/{kind}.json"))]
+                for kind in RECORD_KINDS if kind != "payloads"}
+        rebuild_trace(rows, manifest, attach_backend=False)
+    except ArtifactError as exc:
+        raise ArtifactError("save_records_invalid", f"the trace's records would not load ({exc.code}): {exc.message}",
+                            remedy="the backend recorded an inconsistent trace (report it); nothing was written",
+                            load_code=exc.code, **{k: v for k, v in exc.fields.items() if k != "load_code"}) from exc
+
+
 def _table(kind: str, rows: list[list[Any]]) -> dict[str, Any]:
     return {"schema": f"tl.{kind}/3", "columns": [c for c, _ in SCHEMAS[kind]], "rows": rows}
 
@@ -208,6 +234,7 @@ def _slot(obj: Any, name: str) -> Any:
 def encode_tables(trace: Any, enc: Encoder) -> dict[str, dict[str, Any]]:
     """Every record of `trace` as typed tables (payloads collected in `enc`)."""
     prov, cost = trace.provenance, trace.cost
+    prov.param_hash_full  # noqa: B018 - computed now while the live values are held, so the file keeps it
     annotations = dict(trace.annotations)
     armed = len(trace.armed_edits) if trace._intervention is not None else 0
     if armed:  # the saved trace keeps its armed gradient rules (intervention.json) and says how many

@@ -664,14 +664,14 @@ def trace_recipe_body(trace: Any) -> tuple[dict[str, Any], "_Writer"] | None:
     """What `Trace.save` writes as `intervention.json`: the staged recipe (user code as
     placeholders, so nothing is dropped) and the touch history `is_pristine` reads (the
     intervention audit and the ops written directly). None for a trace nothing touched."""
-    st = trace.__dict__.get("_intervention")
-    if st is None or not (st["recipe"].rules or st["audit"] or st.get("direct_writes")):
+    st = trace._intervention  # the typed InterventionState, or None
+    if st is None or not st.touched:
         return None
-    out_rules, w = encode_rules(list(st["recipe"].rules), trace._backend, level="audit")
+    out_rules, w = encode_rules(list(st.recipe.rules), trace._backend, level="audit")
     from torchlens.intervention.verbs import steered_digest
 
-    history = {"audit": _plain(st["audit"], "audit"), "direct_writes": list(st.get("direct_writes", [])),
-               "steered": steered_digest(trace) == st["recipe"].digest}  # the saved values reflect the recipe
+    history = {"audit": _plain(st.audit, "audit"), "direct_writes": list(st.direct_writes),
+               "steered": steered_digest(trace) == st.recipe.digest}  # the saved values reflect the recipe
     return {"schema": TRACE_SCHEMA, "rules": out_rules, "tensors": w.table, "history": history}, w
 
 

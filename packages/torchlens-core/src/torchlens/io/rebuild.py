@@ -13,6 +13,7 @@ from torchlens.errors import ArtifactError, TorchLensError
 from torchlens.records.module import Buffer, Module, ModuleCall, Param
 from torchlens.records.op import Layer, Op
 from torchlens.records.trace import Cost, Provenance, Trace
+from torchlens.types import Duration
 
 
 def _ref(where: str, what: str) -> ArtifactError:
@@ -118,6 +119,12 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
                             remedy="the records are damaged; save the trace again", at="trace.backward_passes")
     trace._backward_passes = t_row["backward_passes"]  # trace.autograd.backward_passes
     trace.provenance = Provenance(**p_row)
+    durations = c_row["backward_durations"]
+    if not isinstance(durations, (list, tuple)) or not all(
+            isinstance(d, (int, float)) and not isinstance(d, bool) and d >= 0 for d in durations):
+        raise ArtifactError("record_schema_invalid", "cost.backward_durations is not a list of non-negative seconds",
+                            remedy="the records are damaged; save the trace again", at="cost.backward_durations")
+    c_row["backward_durations"] = tuple(Duration(d) for d in durations)
     trace.cost = Cost(**c_row)
     trace._output = None
     trace._output_state = "output_not_stored"

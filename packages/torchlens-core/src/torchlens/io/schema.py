@@ -24,7 +24,7 @@ import numpy as np
 from torchlens.build.events import ArgRef
 from torchlens.errors import ArtifactError
 from torchlens.io.codec import EncodedPayload, PayloadCodec
-from torchlens.types import CallablePlaceholder, UnencodableValue
+from torchlens.types import CallablePlaceholder, Quantity, UnencodableValue
 
 SCHEMAS: dict[str, list[tuple[str, str]]] = {
     "trace": [("name", "str"), ("uncalled_modules", "str_list"), ("options", "value"), ("annotations", "value"),
@@ -35,7 +35,8 @@ SCHEMAS: dict[str, list[tuple[str, str]]] = {
         ("root_entry_point", "str"), ("verified", "bool"), ("verification_reason", "str?"), ("extra", "value")],
     "cost": [
         ("total_flops", "int"), ("total_macs", "int"), ("macs_by_kind", "value"), ("forward_duration", "float"),
-        ("total_activation_memory", "int"), ("total_param_memory", "int"), ("num_ops_with_flops", "int")],
+        ("total_activation_memory", "int"), ("total_param_memory", "int"), ("num_ops_with_flops", "int"),
+        ("backward_durations", "value")],
     "ops": [
         ("label", "str"), ("layer_label", "str"), ("func_name", "str"), ("kind", "str"), ("index", "int"),
         ("pass_number", "int"), ("num_passes", "int"), ("parents", "str_tuple"), ("parent_slots", "slots"),
@@ -120,6 +121,9 @@ class Encoder:
         if v is None or isinstance(v, (bool, str)) and type(v) in (bool, str):
             return v
         t = type(v)
+        if isinstance(v, Quantity):  # a tl.types quantity (Bytes, Duration, ...) saves as its plain number
+            v = int(v) if isinstance(v, int) else float(v)
+            t = type(v)
         if t is int:
             return v
         if t is float:

@@ -26,6 +26,37 @@ def split_pass_token(key: str) -> tuple[str, str | None]:
     return key, None
 
 
+def label_alias(key: str) -> str | None:
+    """The label an older spelling stands for, or None: layer labels' type token is the
+    callable's name lower-cased without underscores (PyPI torchlens's `batchnorm_1_5`), and
+    the underscored spelling (`batch_norm_1_5`, `scaled_dot_product_attention_1_3:2`) is
+    accepted on lookup as an alias of it. None when `key` has no `{type}_{n}_{m}` form or is
+    already in canonical form."""
+    base, token = split_pass_token(key)
+    head, sep, step = base.rpartition("_")
+    type_, sep2, num = head.rpartition("_")
+    if not (sep and sep2 and type_ and num.isdigit() and step.isdigit()):
+        return None
+    canon = type_.lower().replace("_", "")
+    if canon == type_ or not canon:
+        return None
+    alias = f"{canon}_{num}_{step}"
+    return alias if token is None else f"{alias}:{token}"
+
+
+def canonical_label(trace: "Trace", key: str) -> str:
+    """`key`, or the label its older underscored spelling stands for when `key` names no op,
+    layer or module of `trace` and the alias names a layer or op (see `label_alias`)."""
+    if (key in trace._ops or key in trace._layers or key in trace._modules or key in trace._params
+            or key in trace._buffers or "_" not in key):
+        return key
+    alias = label_alias(key)
+    if alias is None:
+        return key
+    base = split_pass_token(alias)[0]
+    return alias if alias in trace._ops or base in trace._layers else key
+
+
 class Collection(Generic[R]):
     """Ordered mapping of label -> record with the shared accessor behaviour."""
 
@@ -88,6 +119,9 @@ class Collection(Generic[R]):
         rec = self._records.get(key)
         if rec is not None:
             return rec
+        alias = canonical_label(self._trace, key)  # `batch_norm_1_5` names `batchnorm_1_5`
+        if alias != key:
+            return self[alias]
         return self._convert(key)
 
     def _convert(self, key: str) -> R:

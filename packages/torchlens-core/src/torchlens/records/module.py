@@ -11,6 +11,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchlens.records.op import Op
 
 
+def _distinct(records: Any) -> list[Any]:
+    seen: set[int] = set()
+    out = []
+    for rec in records:
+        if id(rec) not in seen:
+            seen.add(id(rec))
+            out.append(rec)
+    return out
+
+
 class ModuleCall:
     """One call of a module (`"encoder:2"`): the ops it ran, including nested modules'."""
 
@@ -62,6 +72,11 @@ class ModuleCall:
     def module(self) -> "Module":
         return self._trace.modules[self.address]
 
+    @property
+    def facets(self) -> Any:
+        """The named facets of this call (`torchlens.facets`): structural outputs and recipe facets."""
+        return port("call_facets")(self)
+
     def __repr__(self) -> str:
         return f"<ModuleCall {self.label}: {len(self.op_labels)} ops>"
 
@@ -102,6 +117,18 @@ class Module:
         return None if self._attribute_writes is None else MappingProxyType(self._attribute_writes)
 
     @property
+    def custom_attributes(self) -> Any:
+        """{name: value} of the live module's atomic attributes (numbers, strings, bools, small
+        tuples of them) and its config's scalars (a Hugging Face `config`: `num_attention_heads`,
+        ... plus `config.<name>` keys), snapshotted before the forward by the backend (facets
+        spec: recipes read them through `tl.facets.config_value`). Empty when the backend
+        recorded none."""
+        from types import MappingProxyType
+
+        ann = getattr(self._trace, "annotations", None) or {}
+        return MappingProxyType((ann.get("module_custom_attributes") or {}).get(self.address) or {})
+
+    @property
     def num_calls(self) -> int:
         return len(self.calls)
 
@@ -111,7 +138,28 @@ class Module:
 
     @property
     def params(self) -> list["Param"]:
-        return [self._trace.params[a] for a in self.param_addresses]
+        """The Param records this module registers itself, once each, in registration order.
+        A tied parameter counts at every module that registers it, through an alias too
+        (GPT-2's `lm_head` holds `transformer.wte.weight`): what `module.parameters(recurse=False)`
+        yields in torch."""
+        return _distinct(rec for _, rec in self._param_paths(direct=True))
+
+    def _param_paths(self, direct: bool) -> list[tuple[str, "Param"]]:
+        """(path, record) for every address or alias of a parameter registered on this module
+        (direct) or anywhere below it, under any of the module's own addresses, in the
+        trace's parameter order."""
+        names = self.all_addresses
+        out = []
+        for rec in self._trace._params.values():
+            for path in rec.addresses:
+                owner = path.rpartition(".")[0] or "self"
+                if direct:
+                    hit = owner in names
+                else:
+                    hit = "self" in names or any(owner == n or owner.startswith(n + ".") for n in names)
+                if hit:
+                    out.append((path, rec))
+        return out
 
     @property
     def buffers(self) -> list["Buffer"]:
@@ -127,22 +175,28 @@ class Module:
 
     @property
     def num_params(self) -> int:
-        """Elements of the parameters this module registers itself (not its submodules')."""
+        """Elements of the parameters this module registers itself (not its submodules'),
+        a tied one counted once: `sum(p.numel() for p in module.parameters(recurse=False))`."""
         return sum(p.numel for p in self.params)
 
     @property
     def all_param_addresses(self) -> list[str]:
-        """The parameters of this module and every submodule (what `sum(p.numel() for p in
-        module.parameters())` counts in torch)."""
-        if self.address == "self":
-            return list(self._trace._params)
-        prefix = self.address + "."
-        return [a for a in self._trace._params if a.startswith(prefix)]
+        """The paths of the parameters of this module and every submodule, one per parameter
+        (its first path below this module, aliases included): what `module.named_parameters()`
+        lists in torch, prefixed with the module's address."""
+        seen: set[int] = set()
+        out = []
+        for path, rec in self._param_paths(direct=False):
+            if id(rec) not in seen:
+                seen.add(id(rec))
+                out.append(path)
+        return out
 
     @property
     def num_params_total(self) -> int:
-        """Elements of `all_param_addresses`: a GPT-2 block's count, not its direct 0."""
-        return sum(self._trace._params[a].numel for a in self.all_param_addresses)
+        """Elements of `all_param_addresses`, a tied parameter once: a GPT-2 block's count,
+        not its direct 0 (`sum(p.numel() for p in module.parameters())`)."""
+        return sum(p.numel for p in _distinct(rec for _, rec in self._param_paths(direct=False)))
 
     @property
     def output_ops(self) -> list["Op"]:
@@ -160,6 +214,12 @@ class Module:
                 candidates=[c.label for c in self.calls],
             )
         return self.calls[0].out
+
+    @property
+    def facets(self) -> Any:
+        """The named facets of this module's single call (`torchlens.facets`); a module called
+        more than once refuses (`facet_module_multi_call`): read `module.calls[n].facets`."""
+        return port("module_facets")(self)
 
     @property
     def collapse_score(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterator
 
 from torchlens.errors import AmbiguousOpLookupError, PayloadUnavailableError
+from torchlens.records.collections import OwnedRecords
 from torchlens.records.ports import port
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,8 +218,6 @@ class Layer:
 
     @ops.setter
     def ops(self, value: Any) -> None:
-        from torchlens.records.collections import OwnedRecords
-
         self._ops = OwnedRecords(value, self)
 
     def _own_key(self, ops: list, key: str) -> Op:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy as _copy
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import replace as _replace
+from typing import TYPE_CHECKING, Any, Iterator
 
 from torchlens.errors import (
     AmbiguousOpLookupError,
@@ -25,6 +26,10 @@ from torchlens.records.collections import (
 from torchlens.records.module import Buffer, Module, ModuleCall, Param
 from torchlens.records.op import Layer, Op
 from torchlens.records.ports import port
+from torchlens.types import TraceLike
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchlens.types import Duration
 
 
 @dataclass
@@ -71,9 +76,135 @@ class Provenance:
         """`id()` of the traced model object at capture time (identity within that process only)."""
         return self.extra.get("model_object_id")
 
+    @property
+    def setup_duration(self) -> Duration | None:
+        """Seconds from the capture's start to the start of the model's forward (preparing
+        the model, snapshotting its state, installing the interception)."""
+        return _duration(self.extra.get("setup_duration"))
+
+    @property
+    def cleanup_duration(self) -> Duration | None:
+        """Seconds from the end of the forward to the capture's return (removing the
+        interception, restoring the model's state, building the records)."""
+        return _duration(self.extra.get("cleanup_duration"))
+
+    @property
+    def fingerprint(self) -> str | None:
+        """Address-free structural hash of the captured graph (sha256 hex): every op's
+        callable, kind, parent positions, output shapes and dtypes and owning module class,
+        in execution order. Equal for two captures of the same architecture on inputs of the
+        same shapes, whatever the weights or module names."""
+        return self.extra.get("fingerprint")
+
+    @property
+    def input_structure(self) -> str | None:
+        """The input tree as text: one `path: description` entry per leaf (a tensor's type,
+        shape and dtype; a plain scalar's type and value; another object's type)."""
+        return self.extra.get("input_structure")
+
+    @property
+    def input_signature_hash(self) -> str | None:
+        """sha256 hex of `input_structure`: equal for inputs of the same tree, shapes, dtypes
+        and scalar values, whatever the tensors' contents."""
+        return self.extra.get("input_signature_hash")
+
+    @property
+    def input_object_id(self) -> int | None:
+        """`id()` of the first input object (the first positional input, else the first
+        keyword input) at capture time; identity within that process only."""
+        return self.extra.get("input_object_id")
+
+    @property
+    def param_hash_quick(self) -> str | None:
+        """sha256 hex over every parameter's address, shape, dtype, device and
+        requires_grad plus up to 16 evenly spaced elements of it, taken before the forward:
+        cheap, and changed by any update that touches most elements (an optimizer step)."""
+        return self.extra.get("param_hash_quick")
+
+    @property
+    def param_hash_full(self) -> str | None:
+        """sha256 hex over every parameter's addresses, shape, dtype and all of its bytes.
+        Computed on first read (and by `Trace.save`) from the parameter values the trace
+        holds, then kept; None (reason in `unavailable`) when a parameter changed since the
+        capture, because its capture-time bytes are gone."""
+        value = self.extra.get("param_hash_full")
+        hasher = self.__dict__.get("_param_hasher")
+        if value is None and hasher is not None:
+            value, why = hasher()
+            if value is not None:
+                self.extra["param_hash_full"] = value
+                self.__dict__.pop("_param_hasher", None)
+            else:
+                self.__dict__["_param_hash_full_reason"] = why
+        return value
+
+    # Spec fields this build never records: None, the reason in `unavailable` (never guessed).
+    cache_hit = property(lambda self: self.extra.get("cache_hit"), doc="Whether a capture-cache hit answered (no cache yet).")
+    cache_key = property(lambda self: self.extra.get("cache_key"), doc="The capture-cache key (no cache yet).")
+    cache_path = property(lambda self: self.extra.get("cache_path"), doc="The capture-cache entry path (no cache yet).")
+    recording_kept = property(lambda self: self.extra.get("recording_kept"), doc="Whether a Recording was kept (no tl.record yet).")
+    param_source = property(lambda self: self.extra.get("param_source"), doc="The parameters' portable origin (not recorded).")
+    backend_config = property(lambda self: self.extra.get("backend_config"), doc="The backend's configuration (not recorded).")
+    distributed_scope = property(lambda self: self.extra.get("distributed_scope"),
+                                 doc="'rank_local_shard' for a rank-local capture (shards not detected in this build).")
+    observer_spans = property(lambda self: self.extra.get("observer_spans"), doc="Observer spans (no observers yet).")
+    is_appended = property(lambda self: self.extra.get("is_appended"), doc="Whether the trace was appended to (no append yet).")
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """Spec provenance fields that read None on this trace, each with the reason."""
+        why: dict[str, str] = {}
+        for name in ("setup_duration", "cleanup_duration", "fingerprint", "input_structure", "input_signature_hash",
+                     "input_object_id", "param_hash_quick", "owner_thread_id", "thread_count_start",
+                     "thread_count_end", "thread_activity_detected", "model_object_id"):
+            if self.extra.get(name) is None:
+                why[name] = f"the {self.backend} backend did not record it for this capture"
+        if self.param_hash_full is None:
+            why["param_hash_full"] = self.__dict__.get("_param_hash_full_reason") or (
+                "not computed while the capture's live parameter values were held: the trace was saved, "
+                "exported or pickled before the hash was read, so this copy cannot vouch for capture-time bytes")
+        never = {"cache_hit": "this build has no capture cache (cache=True)",
+                 "cache_key": "this build has no capture cache (cache=True)",
+                 "cache_path": "this build has no capture cache (cache=True)",
+                 "recording_kept": "this build has no tl.record",
+                 "param_source": "this build records no parameter origin",
+                 "backend_config": "no backend records a configuration in this build",
+                 "distributed_scope": "this build does not detect rank-local shards (tl.distributed is not built)",
+                 "observer_spans": "this build has no observers (tl.observers is not built)",
+                 "is_appended": "this build has no trace append"}
+        why.update({k: v for k, v in never.items() if self.extra.get(k) is None})
+        return why
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_param_hasher", None)  # holds the live trace; a copy keeps what was computed
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def summary(self) -> str:
-        return (f"backend {self.backend} {self.backend_version or ''} (framework {self.framework_version or '?'}), "
-                f"model {self.model_class}, captured in {self.duration:.3f}s")
+        """The capture-provenance text block: backend, model, timing, verdict and identity."""
+        lines = [f"backend {self.backend} {self.backend_version or ''} (framework {self.framework_version or '?'}), "
+                 f"model {self.model_class}, captured in {self.duration:.3f}s"]
+        phases = [f"{name} {_duration(self.extra.get(name))}" for name in ("setup_duration", "cleanup_duration")
+                  if self.extra.get(name) is not None]
+        if phases:
+            lines.append("phases: " + ", ".join(phases))
+        lines.append("verified" if self.verified else f"not verified: {self.verification_reason}")
+        for name in ("fingerprint", "input_signature_hash", "param_hash_quick", "param_hash_full"):
+            value = self.extra.get(name)  # what is known now; param_hash_full is not computed for a summary
+            if value is not None:
+                lines.append(f"{name} {value[:16]}")
+        if self.input_structure:
+            lines.append("inputs: " + "; ".join(self.input_structure.splitlines()))
+        return "\n".join(lines)
+
+
+def _duration(value: Any) -> Any:
+    from torchlens.types import Duration
+
+    return None if value is None else Duration(value)
 
 
 @dataclass
@@ -95,6 +226,134 @@ class Cost:
     total_activation_memory: int = 0
     total_param_memory: int = 0
     num_ops_with_flops: int = 0
+    backward_durations: tuple = ()
+
+    # Fields computed from the trace's records on each read (so a loaded trace answers the
+    # same); `trace.cost` binds its trace before handing the Cost out.
+    def _records(self) -> Any:
+        ref = self.__dict__.get("_trace_ref")
+        trace = ref() if ref is not None else None
+        return trace
+
+    @property
+    def forward_peak_memory(self) -> Any:
+        """Liveness peak of the forward's activations, in Bytes: walking the ops in
+        execution order, each op's output is allocated when the op runs and freed right
+        after its last consumer runs (outputs the model returns stay to the end); the peak
+        is the most bytes alive at once. Computed from recorded shapes and dtypes, the same
+        on every backend and device; not an allocator reading (autograd-saved tensors and
+        allocator caching come on top, and a view or in-place result counts at its own size)."""
+        from torchlens.types import Bytes
+
+        trace = self._records()
+        return None if trace is None else Bytes(_liveness_peak(trace))
+
+    @property
+    def total_grad_memory(self) -> Any:
+        """Bytes of the gradients a backward computes for the recorded op outputs: every
+        output slot that required grad in the forward (model outputs counted once, as for
+        `total_activation_memory`). Bytes(0) for an inference-only capture; None when the
+        backend does not record which outputs required grad (`provenance.extra
+        ["records_requires_grad"]` unset)."""
+        from torchlens.types import Bytes
+
+        trace = self._records()
+        if trace is None or not trace.provenance.extra.get("records_requires_grad"):
+            return None
+        total = 0
+        for op in trace._ops.values():
+            if op.kind == "output":
+                continue
+            flags = op.meta.get("requires_grad") or ()
+            total += sum(_slot_nbytes(op, i) for i, f in enumerate(flags) if f)
+        return Bytes(total)
+
+    @property
+    def saved_grad_memory(self) -> Any:
+        """Bytes of the gradients the trace holds (`op.grads` filled by `trace.backward`
+        with `save_grads`); Bytes(0) before a backward."""
+        from torchlens.types import Bytes
+
+        trace = self._records()
+        if trace is None:
+            return None
+        return Bytes(sum(_slot_nbytes(op, i) for op in trace._ops.values() if op.grads is not None
+                         for i, g in enumerate(op.grads) if g is not None))
+
+    @property
+    def func_calls_duration(self) -> Any:
+        """Seconds spent inside the recorded calls themselves (the sum of every op's
+        measured `duration`); None when the backend times no op."""
+        from torchlens.types import Duration
+
+        trace = self._records()
+        if trace is None:
+            return None
+        times = [op.meta.get("duration_s") for op in trace._ops.values()]
+        times = [t for t in times if t is not None]
+        return Duration(sum(times)) if times else None
+
+    @property
+    def overhead_duration(self) -> Any:
+        """`forward_duration - func_calls_duration`: the forward's time outside the recorded
+        calls (the model's own Python code between calls and TorchLens's interception)."""
+        from torchlens.types import Duration
+
+        calls = self.func_calls_duration
+        return None if calls is None else Duration(max(float(self.forward_duration) - float(calls), 0.0))
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """Cost fields that read None here, each with the reason."""
+        why = {}
+        if self._records() is None:
+            for k in ("forward_peak_memory", "total_grad_memory", "saved_grad_memory", "func_calls_duration",
+                      "overhead_duration"):
+                why[k] = "this Cost is not attached to a trace"
+        else:
+            if self.func_calls_duration is None:
+                why["func_calls_duration"] = why["overhead_duration"] = "the backend timed no op of this capture"
+            if self.total_grad_memory is None:
+                why["total_grad_memory"] = "the backend does not record which op outputs required grad"
+        return why
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_trace_ref", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _slot_nbytes(op: Any, slot: int) -> int:
+    from torchlens.records.op import itemsize, numel
+
+    shapes, dtypes = op.shapes or (), op.dtypes or ()
+    if slot >= len(shapes) or shapes[slot] is None:
+        return 0
+    return numel(shapes[slot]) * itemsize(dtypes[slot] if slot < len(dtypes) else None)
+
+
+def _liveness_peak(trace: Any) -> int:
+    ops = [op for op in trace._ops.values() if op.kind != "output"]
+    position = {op.label: i for i, op in enumerate(ops)}
+    end = len(ops)
+    free_at: dict[int, list[str]] = {}
+    for i, op in enumerate(ops):
+        last = i
+        for child in op.children:
+            j = position.get(child)
+            last = end if j is None else max(last, j)  # an output child keeps it to the end
+        free_at.setdefault(last, []).append(op.label)
+    live = peak = 0
+    size = {op.label: op.nbytes for op in ops}
+    for i, op in enumerate(ops):
+        live += size[op.label]
+        peak = max(peak, live)
+        for label in free_at.get(i, ()):
+            live -= size[label]
+    return peak
 
 
 def _cost_quantities() -> dict[str, type]:
@@ -107,7 +366,7 @@ def _cost_quantities() -> dict[str, type]:
 _COST_QUANTITIES = _cost_quantities()
 
 
-class Trace:
+class Trace(TraceLike):
     """Operations, dataflow edges, module context, selected payloads and capture metadata
     of one forward pass. `tl.trace(...)` returns one."""
 
@@ -123,7 +382,7 @@ class Trace:
         self.uncalled_modules: list[str] = []
         self.provenance: Provenance = Provenance(backend="?")
         self.options: Any = None
-        self.cost: Cost = Cost()
+        self._cost: Cost = Cost()
         self.annotations: dict[str, Any] = {}
         self.name: str = "root"
         self._backend: Any = None  # the BackendProtocol object, for verbs that execute code
@@ -133,13 +392,28 @@ class Trace:
         # made on first use), the capturing backend's own state (`backend_state`), parameter
         # stamps replay checks, the `trace.do` scopes open on it, backward passes run, and why
         # `output` is unavailable.
-        self._intervention: dict[str, Any] | None = None
+        self._intervention: Any = None  # torchlens.intervention.state.InterventionState, made on first use
         self._backend_state: Any = None
         self._param_stamps: Any = None
         self._scopes: list[Any] = []
         self._backward_passes: int = 0
         self._output_reason: str | None = None
         self._edit_plan: Any = None  # the edit plan a live capture ran with (rerun engine)
+        self._facet_snapshot: int = 0  # id of the facet-registry snapshot frozen at capture (0: none yet)
+        self._facet_writes: Any = None  # accepted facet write masks per home op (overlap checks), see select.facet
+
+    @property
+    def cost(self) -> Cost:
+        """Compute, memory and timing totals; the record-derived fields read this trace."""
+        import weakref
+
+        cost = self._cost
+        cost.__dict__["_trace_ref"] = weakref.ref(self)
+        return cost
+
+    @cost.setter
+    def cost(self, value: Cost) -> None:
+        self._cost = value
 
     # state slots -------------------------------------------------------------------------
     @property
@@ -401,7 +675,20 @@ class Trace:
         for m in self._modules.values():
             if key in m.all_addresses:
                 return m
+        from torchlens.records.collections import canonical_label
+
+        alias = canonical_label(self, key)  # an older underscored label spelling (`batch_norm_1_5`)
+        if alias != key:
+            return self[alias]
         return self.ops[key]  # raises the typed miss with suggestions
+
+    def modules_with_facet(self, name: str) -> list[Module]:
+        """Modules whose recipes declare facet `name`, available now in at least one call."""
+        return port("modules_with_facet")(self, name)
+
+    def attention_blocks(self) -> list[Module]:
+        """Modules an attention facet recipe matched (`torchlens.facets`)."""
+        return port("attention_blocks")(self)
 
     def find_sites(self, selector: Any) -> Any:
         """Resolve a selector (or label) to its matching ops as a Selection (`.first()`,
@@ -454,9 +741,10 @@ class Trace:
 
     def backward(self, loss: Any, **kwargs: Any) -> Any:
         """Run the backward pass from `loss` and fill `op.grad` for saved ops. Gradient rules
-        staged on this trace after its capture (`engine="set_only"`) cannot reach a graph that
-        is already built: they refuse (`backward_armed_edit_unapplied`) rather than let the
-        backward run without them."""
+        staged on this trace after its capture (`engine="set_only"`) are armed first on the
+        graph the capture kept (a backward-ready capture on a backend that can hook it); one
+        that cannot be armed there refuses (`backward_armed_edit_unapplied`) rather than let the
+        backward run without it. An armed site's own `grad` holds the edited gradient."""
         unapplied_gradient_rules = port("unapplied_gradient_rules")
 
         pending = unapplied_gradient_rules(self)
@@ -469,8 +757,22 @@ class Trace:
                 remedy="apply them on a rerun: trace.do(tl.grad(site), edit, model=model, inputs=x, loss=...), or "
                 "capture with intervene=tl.when(tl.grad(site), edit); trace.clear_edits() drops them",
                 rules=[repr(r.target) for r in pending])
-        result = self._capable_backend("backward_capture", "backward").backward(self, loss, **kwargs)
+        import time
+
+        from torchlens.types import Duration
+
+        backend = self._capable_backend("backward_capture", "backward")
+        started = time.perf_counter()
+        result = backend.backward(self, loss, **kwargs)
+        took = time.perf_counter() - started
+        if self._intervention is not None:  # the edited gradients the hooks trace.backward armed saw
+            for label, slots in self._intervention.take_armed_site_grads().items():
+                op = self._ops[label]
+                if op.grads is not None:
+                    op.grads = tuple(slots.get(i, g) for i, g in enumerate(op.grads))
         self._backward_passes += 1  # trace.autograd.backward_passes
+        # a new Cost: a fork shares its root's Cost object, and this backward is this trace's own
+        self._cost = _replace(self._cost, backward_durations=tuple(self._cost.backward_durations) + (Duration(took),))
         return result
 
     def validate_forward_pass(self) -> bool:
@@ -523,13 +825,13 @@ class Trace:
         block staged are detached (the recipe returns to what it was on entry)."""
         _state = port("intervention_state")
 
-        self._scopes.append(_state(self)["recipe"])
+        self._scopes.append(_state(self).recipe)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _state = port("intervention_state")
 
-        _state(self)["recipe"] = self._scopes.pop()
+        _state(self).recipe = self._scopes.pop()
 
     def clear_edits(self, site: Any = None, handle: Any = None, *, strict: bool = False) -> "Trace":
         clear_edits = port("clear_edits")
@@ -558,20 +860,20 @@ class Trace:
     def intervention_audit(self) -> list[dict[str, Any]]:
         _state = port("intervention_state")
 
-        return _state(self)["audit"]
+        return _state(self).audit
 
     @property
     def last_run(self) -> dict[str, Any] | None:
         _state = port("intervention_state")
 
-        return _state(self)["last_run"]
+        return _state(self).last_run
 
     @property
     def direct_write_dirty(self) -> bool:
         """True once a saved value was overwritten directly (`op.out = v`), outside the recipe."""
         _state = port("intervention_state")
 
-        return bool(_state(self).get("direct_write_dirty"))
+        return bool(_state(self).direct_write_dirty)
 
     @property
     def armed_edits(self) -> tuple:

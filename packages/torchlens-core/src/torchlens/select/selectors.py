@@ -15,7 +15,7 @@ from torchlens.errors import (
     LookupMissError,
     SelectorCompositionError,
 )
-from torchlens.records.collections import split_pass_token
+from torchlens.records.collections import canonical_label, split_pass_token
 from torchlens.select.selection import Selection
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +53,8 @@ class Selector:
 
     def __and__(self, other: Any) -> "Selector":
         other = self._other(other, "&")
+        if getattr(other, "_tl_facet", False):  # tl.module(a) & tl.head(i): the head scoped to module a
+            return other & self
         _same_universe(self, other, "&")
         return _And(self, other)
 
@@ -258,7 +260,7 @@ class LabelSelector(Selector):
     kind = "label"
 
     def match_set(self, trace):
-        key = self.label
+        key = canonical_label(trace, self.label)  # `batch_norm_1_5` names `batchnorm_1_5`
         if key in trace._ops:
             return {key}
         base, token = split_pass_token(key)
@@ -495,6 +497,13 @@ class GradSelector(Selector):
         return f"tl.grad({self.site!r})"
 
 
+def _holds_facet(sel: Any) -> bool:
+    """A facet or head selector (`tl.facet`, `tl.head`) anywhere in a composed selector."""
+    if getattr(sel, "_tl_facet", False):
+        return True
+    return any(_holds_facet(getattr(sel, part)) for part in ("a", "b") if isinstance(getattr(sel, part, None), Selector))
+
+
 def grad(site: Any) -> Selector:
     """The gradient at `site` (a selector or a label); refuses nesting and containers."""
     if isinstance(site, GradSelector):
@@ -513,6 +522,12 @@ def grad(site: Any) -> Selector:
         return GradSelector(site.label)  # a record names its own label
     if isinstance(site, Layer):
         return GradSelector(f"{site.label}:all")  # every pass of the layer
+    if isinstance(site, Selector) and _holds_facet(site):
+        raise SelectorCompositionError("grad_facet_unsupported", f"tl.grad({site!r}): a facet or head selector names a "
+                                       "slice of a module output, which has no gradient site of its own",
+                                       remedy="wrap the facet's home op instead: tl.grad(tl.module(address)) (the "
+                                       "gradient of the whole output), and read the slice from trace[...].grad",
+                                       operand=repr(site))
     if not isinstance(site, (str, Selector)):
         raise SelectorCompositionError("grad_selector_inner_invalid",
                                        f"tl.grad takes one selector or label, not {type(site).__name__}",

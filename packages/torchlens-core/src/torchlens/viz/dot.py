@@ -57,6 +57,8 @@ TITLE_GAP_PT = 3
 def node_label(node: "RNode") -> str:
     """The node's HTML-like label: the bold title in its own cell, padded below so its
     underscores stay visible at small sizes, then the detail lines."""
+    if node.label_html is not None:
+        return node.label_html
     title = f'<TR><TD CELLPADDING="0" HEIGHT="{TITLE_PT + TITLE_GAP_PT}" VALIGN="TOP"><B>{esc(node.title)}</B></TD></TR>'
     if not node.lines:
         return f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">{title}</TABLE>>'
@@ -274,6 +276,8 @@ def emit_dot(ir: "RenderIR", opts: DotOptions, progress: Any = None) -> str:
             ea["label"] = opts.edge_labels[(s, d)]
         ea.update(opts.edge_overrides.get((s, d), {}))
         out.append(f"  {s} -> {d}" + (f" [{_attrs(ea)}];" if ea else ";"))
+    for s, d, ea in ir.extra_edges:  # container ties: drawn, but not data flow
+        out.append(f"  {s} -> {d} [{_attrs(ea)}];")
     for group in ir.stack_rank_groups:
         out.append("  { rank=same; " + "; ".join(group) + "; }")
     out.append("}")

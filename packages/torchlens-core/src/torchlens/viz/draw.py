@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from torchlens.errors import InvalidArgumentError
 from torchlens.viz import collapse as _collapse
+from torchlens.viz import containers as _containers
+from torchlens.viz import repeats as _repeats
 from torchlens.viz.cost import warn_if_slow
 from torchlens.viz.dot import RANKDIR, DotOptions, emit_dot
 from torchlens.viz.encoding import DEFAULT_SCALE, EncodingState, check_scale, node_values, stack_groups
@@ -35,7 +37,8 @@ _TEXT_FORMATS = ("dot", "gv")
 _SAME = {"jpeg": "jpg", "gv": "dot"}
 INSTALL_DOT = "apt-get install graphviz (Debian/Ubuntu), brew install graphviz (macOS) or conda install -c conda-forge graphviz"
 LAYOUTS = ("auto", "dot", "rank")
-SHOW_CONTAINERS = (False, "labels")
+SHOW_CONTAINERS = (False, "labels", "collapsed", "nodes")
+CONTAINER_MAX_INLINE = 12
 _REMOVED_CONTAINERS = {"auto": "collapsed", "cluster": "labels"}
 
 
@@ -217,7 +220,17 @@ def _open_viewer(path: str) -> None:
         subprocess.Popen(["xdg-open", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _check_options(depth: Any, direction: Any, layout: Any, show_containers: Any) -> None:
+def _check_options(depth: Any, direction: Any, layout: Any, show_containers: Any,
+                   fold_repeats: Any = False, container_max_inline: Any = CONTAINER_MAX_INLINE) -> None:
+    if not isinstance(fold_repeats, bool):
+        raise InvalidArgumentError("draw_option_invalid", f"fold_repeats={fold_repeats!r} is not True or False",
+                                   remedy="fold_repeats=True folds runs of identical sibling blocks into one with '+N more'",
+                                   option="fold_repeats")
+    if (not isinstance(container_max_inline, int) or isinstance(container_max_inline, bool)
+            or container_max_inline < 1):
+        raise InvalidArgumentError("draw_option_invalid", f"container_max_inline={container_max_inline!r} is not a positive int",
+                                   remedy=f"use a positive int (default {CONTAINER_MAX_INLINE}); it is read under "
+                                          "show_containers='collapsed' and 'nodes'", option="container_max_inline")
     if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
         raise InvalidArgumentError("draw_option_invalid", f"depth={depth!r} is not a positive int",
                                    remedy="depth=1 folds every top-level module into a box; None draws everything",
@@ -236,7 +249,7 @@ def _check_options(depth: Any, direction: Any, layout: Any, show_containers: Any
     if show_containers not in SHOW_CONTAINERS:
         raise InvalidArgumentError("visualization_show_containers_invalid",
                                    f"show_containers={show_containers!r} is not supported by this release",
-                                   remedy="use False or 'labels'", show_containers=repr(show_containers))
+                                   remedy="use False, 'labels', 'collapsed' or 'nodes'", show_containers=repr(show_containers))
 
 
 def _overrides(name: str, value: Any) -> dict:
@@ -264,6 +277,8 @@ def draw_trace(
     stack_by: Any = None,
     layout: str = "auto",
     show_containers: Any = False,
+    container_max_inline: int = CONTAINER_MAX_INLINE,
+    fold_repeats: bool = False,
     file_format: str | None = None,
     open_viewer: bool = False,
     progress: bool | None = None,
@@ -273,9 +288,11 @@ def draw_trace(
 ) -> Drawing:
     """Draw `trace`; see the module docstring and docs/guides/drawing.md."""
     th = get_theme(theme)
-    _check_options(depth, direction, layout, show_containers)
+    _check_options(depth, direction, layout, show_containers, fold_repeats, container_max_inline)
     scale = check_scale(size_by, size_scale)
     channels = color_by is not None or size_by is not None or (stack_by is not None and stack_by is not False)
+    if isinstance(show_containers, str) and layout == "rank":
+        layout = "dot"  # spec: any string setting of show_containers forces the dot engine
     if layout == "rank" and channels:
         raise InvalidArgumentError("encoding_requires_dot_layout", "encoding channels need the Graphviz dot layout",
                                    remedy="drop layout='rank' (layout='auto' uses dot when a channel is active)")
@@ -301,7 +318,14 @@ def draw_trace(
     units = trace_units(trace, rolled)
     result = _collapse.plan_collapse(trace, units, collapse, depth)
     folded = frozenset(result.plan or ())
-    ir = build_ir(trace, units, depth=depth, folded=folded, rolled=rolled, progress=pbar)
+    runs = _repeats.find_runs(trace, units) if fold_repeats else None
+    ir = build_ir(trace, units, depth=depth, folded=folded, rolled=rolled, progress=pbar, repeats=runs)
+    container_notes: list[str] = []
+    if show_containers in ("collapsed", "nodes"):
+        for where, n in _containers.fold_leaves(trace, ir, container_max_inline):
+            container_notes.append(f"{where}: {n} same-shape leaves folded")
+    if show_containers == "nodes":
+        _containers.container_nodes(trace, ir)
 
     encoding: dict[str, EncodingState] = {}
     captions: list[str] = []
@@ -325,6 +349,9 @@ def draw_trace(
         view.append("rolled")
     if folded:
         view.append(f"collapse {result.request}: {len(folded)} module(s) folded")
+    for run in ir.repeat_runs:
+        view.append(f"{run.addresses[0]} drawn, {run.span} folded ({run.title})")
+    view += container_notes
     if view:
         header.append("; ".join(view) + f"; {len(ir.nodes)} nodes drawn")
     header += captions
@@ -340,7 +367,7 @@ def draw_trace(
         node_overrides=_map_node_overrides(ir, node_overrides),
         edge_overrides=_map_edge_overrides(ir, edge_overrides),
     )
-    if show_containers == "labels":
+    if show_containers:
         opts.edge_labels = _container_labels(trace, ir)
     for edge, role in _attention_labels(trace, ir).items():  # Q/K/V into attention ops
         opts.edge_labels[edge] = role if edge not in opts.edge_labels else f"{opts.edge_labels[edge]} {role}"

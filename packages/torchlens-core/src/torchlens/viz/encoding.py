@@ -40,7 +40,9 @@ ROLLED_TOTALS = {"total_time": "time", "total_device_time": "device_time", "tota
 #: ... and per-pass sources that encode only when every pass agrees.
 ROLLED_PER_PASS = {"time", "device_time", "bytes", "flops", "macs", "params", "dims", "numel", "nbytes",
                    "duration", "num_passes", "func_name"}
-ELIGIBLE_KINDS = ("param", "compute", "module")
+ELIGIBLE_KINDS = ("param", "compute", "module", "repeat")
+#: Node kinds that stand for many ops (a folded module call, a folded run of repeats).
+BOX_KINDS = ("module", "repeat")
 SIZE_SCALES = ("sqrt", "linear")
 
 
@@ -148,7 +150,7 @@ def node_values(trace: "Trace", ir: "RenderIR", source: Any, channel: str) -> En
     for node in ir.nodes.values():
         if node.kind not in ELIGIBLE_KINDS:
             continue
-        if node.kind == "module":
+        if node.kind in BOX_KINDS:
             base = None if callable(source) else ROLLED_TOTALS.get(source, source)
             if base not in ADDITIVE:
                 box_skipped = True
@@ -192,7 +194,7 @@ def node_values(trace: "Trace", ir: "RenderIR", source: Any, channel: str) -> En
         state.notes.append(f"{len(varying)} rolled layer(s) vary across passes and are left unencoded")
     if box_skipped:
         state.notes.append(f"module boxes left unencoded: {name!r} does not add up over member ops")
-    elif any(n.kind == "module" for n in ir.nodes.values()):
+    elif any(n.kind in BOX_KINDS for n in ir.nodes.values()):
         state.aggregation.append("module boxes: sum of member ops")
     if state.values:
         state.vmin = min(state.values.values())
@@ -261,7 +263,7 @@ def stack_groups(trace: "Trace", ir: "RenderIR", stack_by: Any) -> tuple[list[li
                                    remedy="use stack_by=True, a field name or a callable", source=repr(stack_by))
     groups: dict[Any, list[str]] = {}
     for node in ir.nodes.values():
-        if node.kind == "module":
+        if node.kind in BOX_KINDS:
             continue
         value = get(node.ops[0])
         if value is None:

@@ -74,6 +74,7 @@ class RNode:
     record: Any  # Op, Layer, ModuleCall or Module
     ops: list["Op"] = field(default_factory=list)
     passes: int = 1
+    label_html: str | None = None  # a ready-made label (container record nodes)
 
 
 @dataclass(slots=True)
@@ -95,6 +96,8 @@ class RenderIR:
     key_of: dict[str, str] = field(default_factory=dict)  # node id -> unit/box key
     stack_rank_groups: list[list[str]] = field(default_factory=list)
     rolled: bool = False
+    repeat_runs: list[Any] = field(default_factory=list)  # RepeatRuns drawn as `+N more` nodes
+    extra_edges: list[tuple[str, str, dict]] = field(default_factory=list)  # container ties (not data flow)
 
 
 def op_kind(op: "Op") -> str:
@@ -148,16 +151,33 @@ def _module_box(modules: dict, calls: dict, addr: str, call_key: str, rolled: bo
 
 
 def build_ir(trace: "Trace", units: list[Unit], *, depth: int | None, folded: frozenset[str],
-             rolled: bool, progress: Any = None) -> RenderIR:
-    """Map units to nodes (folding where depth/collapse say) and ops' edges to node edges."""
+             rolled: bool, progress: Any = None, repeats: list[Any] | None = None) -> RenderIR:
+    """Map units to nodes (folding where depth/collapse/fold_repeats say) and ops' edges to
+    node edges."""
     ir = RenderIR(rolled=rolled)
+    runs = list(repeats or ())
+    hidden: dict[str, int] = {}
+    for n, run in enumerate(runs):
+        for key in run.members[1:]:
+            hidden[key] = n
+    more_nodes: dict[int, RNode] = {}
     node_by_key: dict[Any, RNode] = {}
     modules = trace._modules
     calls = trace._module_calls
     it = units if progress is None else progress(units, total=len(units), desc="draw: nodes")
     for u in it:
         f = fold_index(u, depth, folded)
-        ckeys = u.keys if f is None else u.keys[:f]
+        rep = None
+        if hidden:
+            for level, ck in enumerate(u.keys):
+                if ck in hidden:
+                    if f is None or level <= f:
+                        rep = (level, hidden[ck])
+                    break
+        if rep is not None:
+            ckeys = u.keys[:rep[0]]
+        else:
+            ckeys = u.keys if f is None else u.keys[:f]
         parent = None
         for level, ck in enumerate(ckeys):
             if ck not in ir.clusters:
@@ -165,7 +185,20 @@ def build_ir(trace: "Trace", units: list[Unit], *, depth: int | None, folded: fr
                 ir.clusters[ck] = RCluster(ck, parent, title, cls, level, rec)
             parent = ck
         cluster = parent
-        if f is None:
+        if rep is not None:
+            node = more_nodes.get(rep[1])
+            if node is None:
+                run = runs[rep[1]]
+                node = RNode(f"n{len(ir.nodes)}", "repeat", run.title,
+                             [f"{run.span}: {run.class_name}" if run.class_name else run.span,
+                              f"{run.num_more} x {fmt_count(run.num_ops)} op{'s' if run.num_ops != 1 else ''}"],
+                             cluster, run, [], 1)
+                more_nodes[rep[1]] = node
+                ir.nodes[node.id] = node
+                ir.key_of[node.id] = run.members[1] + "+more"
+                ir.repeat_runs.append(run)
+            node.ops.extend(u.ops)
+        elif f is None:
             node = RNode(f"n{len(ir.nodes)}", op_kind(u.ops[0]), "", [], cluster,
                          u.ops[0] if not rolled else trace._layers[u.key], list(u.ops), len(u.ops))
             node.title, node.lines = _unit_lines(trace, u, rolled)
@@ -196,7 +229,7 @@ def build_ir(trace: "Trace", units: list[Unit], *, depth: int | None, folded: fr
             src = node_of.get(p)
             if src is None:
                 continue
-            if src == dst and not (rolled and _recurrent(ir.nodes[dst], ops[p], op)):
+            if src == dst and (ir.nodes[dst].kind == "repeat" or not (rolled and _recurrent(ir.nodes[dst], ops[p], op))):
                 continue  # an edge inside one node (a folded module's internals)
             edges[(src, dst)] = edges.get((src, dst), 0) + 1
     return ir

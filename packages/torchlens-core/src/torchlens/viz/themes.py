@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from torchlens.errors import InvalidArgumentError
 
-NODE_KINDS = ("input", "output", "buffer", "constant", "param", "compute", "module")
+NODE_KINDS = ("input", "output", "buffer", "constant", "param", "compute", "module", "repeat", "container")
 
 #: What each kind is called in the legend.
 KIND_LEGEND = {
@@ -22,6 +22,8 @@ KIND_LEGEND = {
     "param": "op reading parameters",
     "compute": "op",
     "module": "module call (folded)",
+    "repeat": "repeated blocks (folded, +N more)",
+    "container": "container (folded leaves or record)",
 }
 
 
@@ -62,6 +64,8 @@ _LIGHT = Theme(
         "param": NodeStyle("#dde3ea", "#424a53", "filled"),
         "compute": NodeStyle("#ffffff", "#57606a", "filled"),
         "module": NodeStyle("#ddf4ff", "#0969da", "filled", peripheries=2),
+        "repeat": NodeStyle("#ddf4ff", "#0969da", "filled,dashed", peripheries=2),
+        "container": NodeStyle("#ffffff", "#6e7781", "filled,dashed"),
     },
 )
 
@@ -76,6 +80,8 @@ _DARK = Theme(
         "param": NodeStyle("#30363d", "#b1bac4", "filled"),
         "compute": NodeStyle("#0d1117", "#8b949e", "filled"),
         "module": NodeStyle("#0c2d6b", "#58a6ff", "filled", peripheries=2),
+        "repeat": NodeStyle("#0c2d6b", "#58a6ff", "filled,dashed", peripheries=2),
+        "container": NodeStyle("#0d1117", "#8b949e", "filled,dashed"),
     },
     ramp_high_dark=False,
 )
@@ -91,6 +97,8 @@ _PAPER = Theme(
         "param": NodeStyle("#d9d9d9", "black", "filled"),
         "compute": NodeStyle("white", "black", "filled"),
         "module": NodeStyle("#f0f0f0", "black", "filled", peripheries=2),
+        "repeat": NodeStyle("#f0f0f0", "black", "filled,dashed", peripheries=2),
+        "container": NodeStyle("white", "#555555", "filled,dashed"),
     },
 )
 

@@ -1,0 +1,15 @@
+"""`tl.Bundle`: named collections of aligned Traces for cross-run comparison (experimental).
+
+Build one with `tl.Bundle()` / `tl.Bundle([t1, t2])` / `tl.Bundle({"clean": t1, ...})`,
+compare members with `compare`, read one site across members with `at(site)`, draw the
+difference with `draw(graph="diff")`, save it with `save`. See docs/guides/bundles.md.
+"""
+
+from torchlens.bundle.core import Bundle, CompareRows, StoredComparison
+from torchlens.bundle.guard import snapshot_params
+from torchlens.bundle.metrics import METRICS
+from torchlens.bundle.relations import MemberRelationRow, OpaqueRelationRow, RelationGrade
+from torchlens.bundle.views import ComparisonMatrix, SuperOp, SuperParam
+
+__all__ = ["Bundle", "CompareRows", "StoredComparison", "snapshot_params", "METRICS", "MemberRelationRow",
+           "OpaqueRelationRow", "RelationGrade", "ComparisonMatrix", "SuperOp", "SuperParam"]

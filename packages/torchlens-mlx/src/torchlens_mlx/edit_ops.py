@@ -1,0 +1,183 @@
+"""The MLX implementations of core's intervention hooks: edit ops (also the backend's
+`ReplayOps` for core's replay engine) and module-output edits.
+
+Edits of an MLX trace stay `mx.array`s. Replay copies the receiver of an in-place operator
+(`a[i] = v`, `a += b`) so a saved payload is never written, and runs a keyless `mx.random`
+draw with the key it consumed at capture passed explicitly (`call`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from torchlens.backends.sdk import ReplayOpsBase
+
+
+def _array(x: Any) -> Any:
+    return x if isinstance(x, mx.array) else mx.array(np.asarray(x))
+
+
+class MLXEditOps(ReplayOpsBase):
+    """The math edits and replay run with, on `mx.array` values (core's `EditOps`, and the
+    backend's `ReplayOps`)."""
+
+    def zeros_like(self, x: Any) -> Any:
+        return mx.zeros_like(_array(x))
+
+    def clone(self, x: Any) -> Any:
+        return mx.array(_array(x))
+
+    def clip(self, x: Any, lo: Any, hi: Any) -> Any:
+        return mx.clip(_array(x), lo, hi)
+
+    def mean(self, x: Any, dim: Any, keepdim: bool) -> Any:
+        x = _array(x)
+        return mx.mean(x, axis=dim, keepdims=keepdim).astype(x.dtype)
+
+    def norm(self, x: Any, dim: Any, keepdim: bool, p: float = 2.0) -> Any:
+        x = _array(x)
+        a = mx.abs(x)
+        if np.isinf(p):
+            return mx.max(a, axis=dim, keepdims=keepdim and dim is not None).astype(x.dtype)
+        if dim is None:
+            return (mx.sum(a ** p) ** (1.0 / p)).astype(x.dtype)
+        return (mx.sum(a ** p, axis=dim, keepdims=keepdim) ** (1.0 / p)).astype(x.dtype)
+
+    def randn_like(self, x: Any, seed: int) -> Any:
+        x = _array(x)
+        key = mx.random.key(int(seed) & 0xFFFFFFFFFFFFFFFF)
+        return mx.random.normal(x.shape, key=key).astype(x.dtype)
+
+    def permute_flat(self, x: Any, seed: int) -> Any:
+        x = _array(x)
+        flat = x.reshape(-1)
+        perm = mx.random.permutation(flat.size, key=mx.random.key(int(seed) & 0xFFFFFFFFFFFFFFFF))
+        return flat[perm].reshape(x.shape)
+
+    def moveaxis(self, x: Any, src: int, dst: int) -> Any:
+        return mx.moveaxis(_array(x), src, dst)
+
+    def where(self, mask: Any, a: Any, b: Any) -> Any:
+        return mx.where(_array(mask), a, b)
+
+    def asarray(self, v: Any, like: Any) -> Any:
+        a = v if isinstance(v, mx.array) else mx.array(np.asarray(v))
+        return a if like is None else a.astype(like.dtype)
+
+    def param_stamp(self, p: Any) -> Any:
+        """An MLX parameter changes by being replaced in its module (replay reads the captured
+        array), or by an in-place operator, which the stamp cannot see."""
+        if not isinstance(p, mx.array):
+            return None
+        return (tuple(p.shape), str(p.dtype))
+
+    def replay_args(self, op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """An in-place operator's receiver is copied: replay never writes a saved payload."""
+        if op.is_inplace and args:
+            args = (self.clone(args[0]),) + tuple(args[1:])
+        return args, kwargs
+
+    def rng_state(self, state: Any) -> Any:
+        """MLX's global key cannot be set from a saved value: a keyless draw replays with the
+        key it consumed passed explicitly (`call`), so there is no state to restore."""
+        return contextlib.nullcontext()
+
+    def call(self, op: Any, args: tuple, kwargs: dict) -> Any:
+        key = op.meta.get("rng_key")
+        if key is not None:
+            kwargs = {**kwargs, "key": mx.array(key, dtype=mx.uint32)}
+        return op.func(*args, **kwargs)
+
+    def equal(self, a: Any, b: Any) -> bool:
+        if a is None or b is None:
+            return a is b
+        if isinstance(a, mx.array):
+            mx.eval(a)
+        if isinstance(b, mx.array):
+            mx.eval(b)
+        if isinstance(a, mx.array) and isinstance(b, mx.array) and mx.bfloat16 in (a.dtype, b.dtype):
+            # numpy has no bfloat16: compare in float32, which holds every bfloat16 value exactly
+            if a.dtype != b.dtype or a.shape != b.shape:
+                return False
+            return super().equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+        return super().equal(a, b)
+
+    def grad_enabled(self) -> Any:
+        return contextlib.nullcontext()
+
+
+# module-output edits (bound executor, guarded fast rerun) --------------------------------
+
+_ACTIVE = threading.local()
+
+
+class _Attached:
+    def __init__(self, patched: list[tuple[type, Any]], state: dict) -> None:
+        self._patched = patched
+        self._state = state
+
+    def remove(self) -> None:
+        states = getattr(_ACTIVE, "states", [])
+        if self._state in states:
+            states.remove(self._state)
+        for cls, original in reversed(self._patched):
+            setattr(cls, "__call__", original)
+        self._patched = []
+
+
+def _wrap(original: Any) -> Any:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        for state in list(getattr(_ACTIVE, "states", ())):
+            out = state["on_exit"](self, out)
+        return out
+
+    __call__.__torchlens_edit_wrapped__ = True  # type: ignore[attr-defined]
+    return __call__
+
+
+def attach_module_edits(model: Any, modules: list[tuple[str, Any]], rules: list, ops: Any, fired: dict) -> _Attached:
+    """Edit each targeted module call's array output as it returns (`rules`: (address, call
+    number or None, edit))."""
+    from torchlens.backends.sdk import HookContext, LookupMissError, fire
+    from torchlens_mlx.patch import defining_classes
+
+    addr_of = {id(m): a for a, m in modules}
+    known = set(addr_of.values())
+    for address, _call, _edit in rules:
+        if address not in known:
+            raise LookupMissError("label_unknown", f"the model has no module {address!r}",
+                                  remedy="use a module address of the model (trace.modules lists them)", key=address)
+    calls: dict[str, int] = {}
+
+    def on_exit(module: Any, out: Any) -> Any:
+        addr = addr_of.get(id(module))
+        if addr is None:
+            return out
+        n = calls[addr] = calls.get(addr, 0) + 1
+        for i, (address, call, edit) in enumerate(rules):
+            if address == addr and (call is None or call == n) and isinstance(out, mx.array):
+                out = fire(edit, out, HookContext(f"{addr}:{n}", None, None, ops))
+                fired[i] = fired.get(i, 0) + 1
+        return out
+
+    patched: list[tuple[type, Any]] = []
+    for cls in defining_classes([m for _a, m in modules]):
+        original = cls.__dict__["__call__"]
+        if getattr(original, "__torchlens_edit_wrapped__", False):
+            continue
+        patched.append((cls, original))
+        setattr(cls, "__call__", _wrap(original))
+    state = {"on_exit": on_exit}
+    if not hasattr(_ACTIVE, "states"):
+        _ACTIVE.states = []
+    _ACTIVE.states.append(state)
+    return _Attached(patched, state)
+
+
+__all__ = ["MLXEditOps", "attach_module_edits"]

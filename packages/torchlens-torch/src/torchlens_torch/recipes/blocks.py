@@ -1,0 +1,192 @@
+"""The built-in residual-block and MLP recipes.
+
+A residual block is a module containing an attention module whose call returns an add (in
+its own code or a wrapper child's), reached from one of its inputs through a chain of adds:
+`resid_pre` is that input, `resid_post` the returned add, and `resid_mid` the first add of
+the chain that reads `resid_pre` directly (the post-attention residual add). A parallel
+block (GPT-NeoX, GPT-J: `x + attn(x) + mlp(x)`) has no such add, so resid_mid is absent,
+not guessed.
+
+An MLP is a non-attention child of a residual block whose output comes from a parameter
+projection: `out` is its output, `post` the tensor the output projection read, and `pre`
+the projection output that reaches `post` through the activation (a gated MLP's other
+projection is `pre_linear`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torchlens
+
+from torchlens_torch.recipes.attention import is_attention
+from torchlens_torch.recipes.dataflow import IDENTITY, child_call_of, direct_child
+
+BLOCK_ID = "torchlens_torch.residual_block"
+MLP_ID = "torchlens_torch.mlp"
+ADDS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
+
+
+def _descendants(module: Any) -> list[Any]:
+    trace = module._trace
+    prefix = "" if module.address == "self" else module.address + "."
+    return [m for a, m in trace._modules.items() if a != module.address and a.startswith(prefix)]
+
+
+def contains_attention(module: Any) -> bool:
+    return any(is_attention(m) for m in _descendants(module) if m.calls)
+
+
+def block_anchors(trace: Any, call: Any) -> tuple[Any, Any, Any] | None:
+    """(resid_pre op, resid_mid op or None, resid_post op) of a residual block call. The
+    adds may sit in the block's own code or in a wrapper child (T5's `T5LayerSelfAttention`
+    / `T5LayerFF` each end in their residual add)."""
+    slots = call.output_slots
+    if not slots:
+        return None
+    inside = set(call.op_labels)
+    post = trace._ops[slots[0][0]]
+    if post.func_name not in ADDS or post.label not in inside:
+        return None
+    inputs = set(call.input_labels)
+    chain = [post]
+    pre = None
+    cur = post
+    for _ in range(6):
+        parents = [trace._ops[p] for p in cur.parents]
+        direct = [p for p in parents if p.label in inputs and p.shape == post.shape]
+        if direct:
+            pre = direct[0]
+            break
+        adds = [p for p in parents if p.func_name in ADDS and p.label in inside and p.shape == post.shape]
+        if len(adds) != 1:
+            return None
+        cur = adds[0]
+        chain.append(cur)
+    if pre is None:
+        return None
+    mid = next((a for a in chain[1:] if pre.label in a.parents), None)
+    return pre, mid, post
+
+
+def _block_like(module: Any) -> bool:
+    trace = module._trace
+    return any(block_anchors(trace, c) is not None for c in module.calls) and contains_attention(module)
+
+
+def is_block(module: Any) -> bool:
+    """A residual block, and not a residual wrapper inside one (T5's per-sublayer wrappers
+    are parts of their T5Block)."""
+    parent = called_ancestor(module)
+    return _block_like(module) and not (parent is not None and _block_like(parent))
+
+
+def called_ancestor(module: Any) -> Any:
+    """The nearest enclosing module that was called (containers such as ModuleList are not)."""
+    trace = module._trace
+    address = module.address
+    while address not in ("self", ""):
+        address = address.rsplit(".", 1)[0] if "." in address else "self"
+        m = trace._modules.get(address)
+        if m is not None and m.calls:
+            return m
+    return None
+
+
+@torchlens.facets.recipe(predicate=is_block, facets=("resid_pre", "resid_mid", "resid_post"), recipe_id=BLOCK_ID,
+                         builtin=True)
+def residual_block(module: Any) -> dict[str, Any]:
+    trace = module._trace
+    call = torchlens.facets.current_call(module)
+    anchors = block_anchors(trace, call)
+    if anchors is None:
+        return {}
+    pre, mid, post = anchors
+    spec = lambda op: torchlens.facets.FacetSpec(home_kind="op", home=op.label, recipe_id=BLOCK_ID,  # noqa: E731
+                                                 address=op.module)
+    return {"resid_pre": spec(pre), "resid_mid": spec(mid) if mid is not None else None, "resid_post": spec(post)}
+
+
+def _param_calls(trace: Any, call: Any) -> dict[str, Any]:
+    """Direct children of `call` that ran a parameter-reading op: address -> their call."""
+    out = {}
+    for op in call.ops:
+        if op.params and op.module != call.address:
+            child = child_call_of(trace, call, op)
+            if child is not None:
+                out.setdefault(child.address, child)
+    return out
+
+
+def mlp_anchors(trace: Any, call: Any) -> tuple[Any, Any, Any, Any] | None:
+    """(pre, pre_linear or None, post, out) ops of an MLP call."""
+    slots = call.output_slots
+    if len(slots) != 1:
+        return None
+    out = trace._ops[slots[0][0]]
+    projections = _param_calls(trace, call)
+    if len(projections) < 2:
+        return None
+    cur = out
+    for _ in range(4):  # through eval-mode dropout and casts to the output projection
+        if cur.module != call.address and direct_child(call.address, cur.module) in projections:
+            break
+        if cur.func_name not in IDENTITY or not cur.parents:
+            return None
+        cur = trace._ops[cur.parents[0]]
+    else:
+        return None
+    out_proj = projections[direct_child(call.address, cur.module)]
+    if not out_proj.input_labels:
+        return None
+    post = trace._ops[out_proj.input_labels[0]]
+    inside = set(call.op_labels)
+    dist = {post.label: 0}
+    queue = deque([post])
+    found: list[tuple[int, Any]] = []
+    while queue:
+        op = queue.popleft()
+        child = direct_child(call.address, op.module) if op.module != call.address else None
+        if child in projections and child != out_proj.address:
+            pc = projections[child]
+            if op.label in pc.output_labels:
+                found.append((dist[op.label], op))
+                continue
+        for p in op.parents:
+            if p in inside and p not in dist:
+                dist[p] = dist[op.label] + 1
+                queue.append(trace._ops[p])
+    if not found or post.label in {op.label for _, op in found}:
+        return None
+    found.sort(key=lambda t: -t[0])
+    pre = found[0][1]
+    pre_linear = found[1][1] if len(found) > 1 else None
+    return pre, pre_linear, post, out
+
+
+def is_mlp(module: Any) -> bool:
+    trace = module._trace
+    if module.parent is None or module.parent not in trace._modules or not module.calls:
+        return False
+    parent = trace._modules[module.parent]
+    if is_attention(module) or contains_attention(module) or not is_block(parent):
+        return False
+    return any(mlp_anchors(trace, c) is not None for c in module.calls)
+
+
+@torchlens.facets.recipe(predicate=is_mlp, facets=("pre", "pre_linear", "post", "out"), recipe_id=MLP_ID, builtin=True)
+def mlp(module: Any) -> dict[str, Any]:
+    trace = module._trace
+    call = torchlens.facets.current_call(module)
+    anchors = mlp_anchors(trace, call)
+    if anchors is None:
+        return {}
+    pre, pre_linear, post, out = anchors
+    spec = lambda op: torchlens.facets.FacetSpec(home_kind="op", home=op.label, recipe_id=MLP_ID,  # noqa: E731
+                                                 address=op.module)
+    return {"pre": spec(pre), "pre_linear": spec(pre_linear) if pre_linear is not None else None, "post": spec(post),
+            "out": spec(out)}
+
+
+__all__ = ["residual_block", "mlp", "block_anchors", "mlp_anchors", "is_block", "is_mlp"]

@@ -1,0 +1,190 @@
+"""The built-in `language_model_head` recipe (experimental): the facts a logit lens needs.
+
+It matches a module with a conventional unembedding child (`lm_head`, `embed_out` or
+`output_projection`, the spec's list) and anchors: `logits` (the head's output op),
+`unembed_weight` / `unembed_bias` (the parameters the head op read), and the final norm
+feeding the head, found structurally: the innermost module around the head's input op
+whose call ran a normalisation (a `layer_norm` op, or an RMS norm's pow/mean/rsqrt chain),
+never by name. Non-tensor facts (`final_norm_kind`, `final_norm_eps`) are computed facets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torchlens
+
+RECIPE_ID = "torchlens_torch.language_model_head"
+HEAD_CHILDREN = ("lm_head", "embed_out", "output_projection")
+HEAD_FACETS = ("logits", "unembed_weight", "unembed_bias", "final_norm_kind", "final_norm_eps", "final_norm_gamma",
+               "final_norm_beta", "final_norm_input")
+
+
+def _child(module: Any, name: str) -> str:
+    return name if module.address == "self" else f"{module.address}.{name}"
+
+
+def head_call(module: Any) -> Any:
+    trace = module._trace
+    for name in HEAD_CHILDREN:
+        child = trace._modules.get(_child(module, name))
+        if child is not None and len(child.calls) == 1 and any(o.params for o in child.calls[0].ops):
+            return child.calls[0]
+    return None
+
+
+def is_lm_model(module: Any) -> bool:
+    return head_call(module) is not None
+
+
+CLASSIFIER_CHILDREN = ("classifier",)
+CLASSIFIER_FACETS = ("logits", "classifier_weight", "classifier_bias", "pooled_position", "final_norm_kind",
+                     "final_norm_eps", "final_norm_gamma", "final_norm_beta", "final_norm_input")
+
+
+def classifier_call(module: Any) -> Any:
+    """The call of a linear classifier child that reads ONE token of a normalised sequence."""
+    trace = module._trace
+    for name in CLASSIFIER_CHILDREN:
+        child = trace._modules.get(_child(module, name))
+        if child is None or len(child.calls) != 1:
+            continue
+        call = child.calls[0]
+        pops = [o for o in call.ops if o.params]
+        if len(pops) == 1 and pops[0].func_name == "linear" and call.input_labels:
+            return call
+    return None
+
+
+def _pooled_position(trace: Any, head: Any) -> tuple[int, Any] | None:
+    """(token index, the op it was read from) when the classifier reads `x[:, i, :]`."""
+    op = trace._ops[head.input_labels[0]]
+    key = op.args_template[1] if op.func_name == "__getitem__" and op.args_template and len(op.args_template) > 1 \
+        else None
+    if not isinstance(key, tuple) or len(key) < 2 or not isinstance(key[1], int) or key[0] != slice(None):
+        return None
+    return key[1], trace._ops[op.parents[0]]
+
+
+def is_classifier_model(module: Any) -> bool:
+    call = classifier_call(module)
+    return call is not None and _pooled_position(module._trace, call) is not None
+
+
+def _norm_kind(call: Any) -> str | None:
+    names = {op.func_name for op in call.ops}
+    if "layer_norm" in names:
+        return "layer_norm"
+    if "rms_norm" in names or {"rsqrt", "mean"} <= names:
+        return "rms_norm"
+    return None
+
+
+def final_norm(trace: Any, head: Any, op: Any = None) -> tuple[Any, str] | None:
+    """(norm module call, kind) of the innermost norm module containing the head's input
+    (or `op`, the value the head's input was read from)."""
+    if op is None and not head.input_labels:
+        return None
+    op = op if op is not None else trace._ops[head.input_labels[0]]
+    address = op.module
+    while address:
+        mod = trace._modules.get(address)
+        if mod is None:
+            break
+        call = next((c for c in mod.calls if op.label in c.op_labels), None)
+        kind = _norm_kind(call) if call is not None else None
+        if kind is not None:
+            return call, kind
+        address = mod.parent
+    return None
+
+
+def _eps(call: Any, kind: str) -> float | None:
+    for op in call.ops:
+        if kind == "layer_norm" and op.func_name == "layer_norm":
+            kw = dict(op.kwargs_template or {})
+            if "eps" in kw:
+                return float(kw["eps"])
+            floats = [a for a in (op.args_template or ())[2:] if isinstance(a, float)]
+            return floats[-1] if floats else 1e-5
+        if kind == "rms_norm":
+            if op.func_name == "rms_norm":
+                kw = dict(op.kwargs_template or {})
+                return kw.get("eps")
+            if op.func_name in ("add", "__add__") and op.parents and call._trace._ops[op.parents[0]].func_name == "mean":
+                floats = [a for a in (op.args_template or ()) if isinstance(a, float)]
+                if floats:
+                    return floats[0]
+    return None
+
+
+def _norm_facets(trace: Any, found: Any, rid: str) -> dict[str, Any]:
+    spec = torchlens.facets.FacetSpec
+    call, kind = found
+    eps = _eps(call, kind)
+    params = [a for o in call.ops for a in o.params]
+    gamma = next((a for a in params if len(trace._params[a].shape) == 1 and a.rsplit(".", 1)[-1] == "weight"),
+                 params[0] if params else None)
+    beta = next((a for a in params if a != gamma and len(trace._params[a].shape) == 1), None)
+    out = {"final_norm_kind": torchlens.facets.computed_spec(lambda tr, k=kind: k, (), recipe_id=rid),
+           "final_norm_eps": torchlens.facets.computed_spec(lambda tr, e=eps: e, (), recipe_id=rid)
+           if eps is not None else None,
+           "final_norm_gamma": spec(home_kind="parameter", home=gamma, recipe_id=rid, grad_capable=False)
+           if gamma else None,
+           "final_norm_beta": spec(home_kind="parameter", home=beta, recipe_id=rid, grad_capable=False)
+           if beta and kind == "layer_norm" else None}
+    if call.input_labels:
+        out["final_norm_input"] = spec(home_kind="op", home=call.input_labels[0], recipe_id=rid, address=call.address)
+    return out
+
+
+CLASSIFIER_ID = "torchlens_torch.classification_head"
+
+
+@torchlens.facets.recipe(predicate=is_classifier_model, facets=CLASSIFIER_FACETS, recipe_id=CLASSIFIER_ID,
+                         builtin=True)
+def classification_head(module: Any) -> dict[str, Any]:
+    """A linear classifier reading one token of the final norm's output (ViT's [CLS])."""
+    trace = module._trace
+    head = classifier_call(module)
+    pos, source = _pooled_position(trace, head)
+    pop = [o for o in head.ops if o.params][0]
+    weight = [a for a in pop.params if len(trace._params[a].shape) == 2]
+    bias = [a for a in pop.params if len(trace._params[a].shape) == 1]
+    spec = torchlens.facets.FacetSpec
+    out: dict[str, Any] = {
+        "logits": torchlens.facets.call_output_spec(head, CLASSIFIER_ID),
+        "classifier_weight": spec(home_kind="parameter", home=weight[0], recipe_id=CLASSIFIER_ID, grad_capable=False),
+        "classifier_bias": spec(home_kind="parameter", home=bias[0], recipe_id=CLASSIFIER_ID, grad_capable=False)
+        if bias else None,
+        "pooled_position": torchlens.facets.computed_spec(lambda tr, p=pos: p, (), recipe_id=CLASSIFIER_ID),
+    }
+    found = final_norm(trace, head, source)
+    if found is not None:
+        out.update(_norm_facets(trace, found, CLASSIFIER_ID))
+    return out
+
+
+@torchlens.facets.recipe(predicate=is_lm_model, facets=HEAD_FACETS, recipe_id=RECIPE_ID, builtin=True)
+def language_model_head(module: Any) -> dict[str, Any]:
+    trace = module._trace
+    head = head_call(module)
+    pop = [o for o in head.ops if o.params][0]
+    weight = [a for a in pop.params if len(trace._params[a].shape) == 2]
+    bias = [a for a in pop.params if len(trace._params[a].shape) == 1]
+    spec = torchlens.facets.FacetSpec
+    out: dict[str, Any] = {
+        "logits": torchlens.facets.call_output_spec(head, RECIPE_ID),
+        "unembed_weight": spec(home_kind="parameter", home=weight[0], recipe_id=RECIPE_ID, grad_capable=False)
+        if weight else None,
+        "unembed_bias": spec(home_kind="parameter", home=bias[0], recipe_id=RECIPE_ID, grad_capable=False)
+        if bias else None,
+    }
+    found = final_norm(trace, head)
+    if found is not None:
+        out.update(_norm_facets(trace, found, RECIPE_ID))
+    return out
+
+
+__all__ = ["language_model_head", "classification_head", "is_lm_model", "is_classifier_model", "final_norm",
+           "HEAD_FACETS", "CLASSIFIER_FACETS"]
