@@ -44,7 +44,7 @@ if ! "$PYTHON" -c "import setuptools, wheel" 2>/dev/null; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The meta-distribution (repository root) and every member distribution.
-MEMBERS=". packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference conformance"
+MEMBERS=". packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-mlx packages/torchlens-reference conformance"
 # Build from a copy of each member's sources: setuptools writes build/ and *.egg-info next to
 # the sources, which must not land in the working tree (and must not leak between members).
 STAGE=$(mktemp -d)

@@ -264,11 +264,17 @@ def test_sweep_over_scales_equals_the_hand_forward_for_each_scale():
     for s, t in zip(scales, traces):
         _close(t.output_ops[0].out, mlp_forward(m, X, hidden=lambda r, s=s: s * r))
         _close(t.output, mlp_forward(m, X, hidden=lambda r, s=s: s * r))  # the model's return is the edited one
-    graded = tl.sweep(m, X, "add_1_3", [0.5, 3.0], edit=tl.scale, backend="jax", capture=GRADS,
+    # glossary l. 794: loss= needs a gradient site (tl.grad); a forward site refuses before any capture
+    graded = tl.sweep(m, X, tl.grad("add_1_3"), [0.5, 3.0], edit=tl.scale, backend="jax", capture=GRADS,
                       loss=lambda t: loss)  # on JAX the backward takes the loss function of the output
+    plain = jax.grad(lambda x: loss(mlp_forward(m, x)))(X)  # add_1_3 is the only path back to the input
     for s, t in zip((0.5, 3.0), graded):
-        _close(t.input_ops[0].grad, jax.grad(lambda x, s=s: loss(mlp_forward(m, x, pre=lambda h: s * h)))(X))
+        _close(t.output, mlp_forward(m, X))  # a gradient edit leaves the forward alone
+        _close(t.input_ops[0].grad, s * plain)
     calls = []
+    with pytest.raises(InterventionError) as exc:
+        tl.sweep(lambda x: calls.append(x) or x, X, "mul_1_1", [1.0], backend="jax", loss=lambda t: loss)
+    assert exc.value.code == "do_loss_without_gradient_site" and calls == []
     with pytest.raises(InterventionError) as exc:
         tl.sweep(lambda x: calls.append(x) or x, X, "mul_1_1", [1.0], backend="jax", loss="sum")
     assert exc.value.code == "do_loss_not_callable" and calls == []  # refused before any capture ran

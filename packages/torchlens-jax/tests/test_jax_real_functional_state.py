@@ -81,3 +81,75 @@ def test_linen_without_variables_refuses_typed():
     with pytest.raises(InvalidArgumentError) as info:
         tl.trace(m.apply, [1, 2], X)
     assert info.value.code == "linen_variables_missing"
+
+
+# item 7: nnx state written in the forward ----------------------------------------------------
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(self.bn(self.fc(x))))
+
+
+def _state_arrays(m):
+    def host(v):
+        return np.asarray(jax.random.key_data(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+
+    return {jax.tree_util.keystr(k): host(v) for k, v in jax.tree_util.tree_leaves_with_path(nnx.state(m))}
+
+
+def test_nnx_state_writes_are_recorded_with_values_and_the_model_is_untouched(tmp_path):
+    m = NnxNet(nnx.Rngs(0))
+    m.train()
+    before = _state_arrays(m)
+    ref = nnx.clone(m)
+    expected_out = ref(X)  # the independent forward: a clone, run by flax itself
+    t = tl.trace(m, X)
+    # capture is a pure observer: every leaf of the model's state unchanged
+    after = _state_arrays(m)
+    assert set(after) == set(before) and all(np.array_equal(after[k], before[k]) for k in before)
+    # the writes, with the values flax's own forward left in the clone
+    w_bn, w_drop = t._modules["bn"].attribute_writes, t._modules["drop"].attribute_writes
+    assert set(w_bn) == {"mean", "var"} and set(w_drop) == {"rngs.count"}
+    assert all(w.kind == "replaced" for w in [*w_bn.values(), *w_drop.values()])
+    np.testing.assert_array_equal(w_bn["mean"].value, np.asarray(ref.bn.mean[...]))
+    np.testing.assert_array_equal(w_bn["var"].value, np.asarray(ref.bn.var[...]))
+    assert int(w_drop["rngs.count"].value) == int(ref.drop.rngs.count[...]) == 1
+    assert t._modules["fc"].attribute_writes == {}
+    # the op that computed each written value is marked, and its value is the written one
+    marked = {o.meta["state_write"]: o for o in t.ops if o.meta.get("state_write")}
+    assert set(marked) == {"bn.mean", "bn.var", "drop.rngs.count"}
+    np.testing.assert_array_equal(np.asarray(marked["bn.mean"].out), w_bn["mean"].value)
+    np.testing.assert_array_equal(np.asarray(t.output_ops[0].out), np.asarray(expected_out))
+    # Module.training as the model is set
+    assert t._modules["bn"].training and t._modules["drop"].training and t._modules["self"].training
+    m.eval()
+    assert not tl.trace(m, X)._modules["bn"].training
+    t.save(tmp_path / "s.tlspec")
+    assert tl.load(tmp_path / "s.tlspec").validate_forward_pass()
+
+
+def test_nnx_advancing_the_rng_state_from_the_recorded_write_gives_a_new_dropout_mask():
+    m = NnxNet(nnx.Rngs(1))
+    m.train()
+    t1, t2 = tl.trace(m, X), tl.trace(m, X)  # an observer: the held counter never advances
+    np.testing.assert_array_equal(np.asarray(t1.output_ops[0].out), np.asarray(t2.output_ops[0].out))
+    ref = nnx.clone(m)
+    ref(X)
+    second = ref(X)  # flax's own second call
+    # the docs' recipe: write the recorded state back, then trace again
+    for address, rec in t1._modules.items():
+        mod = m if address == "self" else getattr(m, address)
+        for name, w in rec.attribute_writes.items():
+            var = mod
+            for part in name.split("."):
+                var = getattr(var, part)
+            var[...] = w.value
+    t3 = tl.trace(m, X)
+    np.testing.assert_array_equal(np.asarray(t3.output_ops[0].out), np.asarray(second))
+    assert not np.array_equal(np.asarray(t3.output_ops[0].out), np.asarray(t1.output_ops[0].out))

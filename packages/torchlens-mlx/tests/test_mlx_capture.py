@@ -339,3 +339,31 @@ def test_keyless_draws_replay_exactly_and_consume_the_global_key_once(tmp_path):
     with pytest.raises(InvalidArgumentError) as info:
         tl.trace(m, X, backend="mlx", replay_rng="yes")
     assert info.value.code == "invalid_argument"
+
+
+def test_bfloat16_traces_saves_loads_and_validates_bit_for_bit(tmp_path):
+    """bfloat16 payloads (no numpy dtype): the capture records only the model's calls, every op
+    equals a hand evaluation in bfloat16, the saved file brings back the same bits and dtype
+    (also for the transposed weight view), and validation passes before and after load."""
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    m.set_dtype(mx.bfloat16)
+    mx.eval(m.parameters())
+    x = X.astype(mx.bfloat16)
+    t = tl.trace(m, x, backend="mlx")
+    assert [o.func_name for o in t.ops if o.kind == "op"] == ["transpose", "addmm", "maximum", "transpose", "addmm"]
+    h = mx.addmm(m.layers[0].bias, x, m.layers[0].weight.T)
+    want = {"addmm_1_2": h, "maximum_1_3": mx.maximum(h, 0),
+            "addmm_2_5": mx.addmm(m.layers[2].bias, mx.maximum(h, 0), m.layers[2].weight.T)}
+    for label, v in want.items():
+        assert t[label].out.dtype == mx.bfloat16 and mx.array_equal(t[label].out, v).item(), label
+    proto = _proto()
+    assert proto.host_copy(t["addmm_1_2"].out).dtype == np.float32
+    assert proto.validate(t, None).ok
+    t.save(tmp_path / "bf16.tlens")
+    back = tl.load(tmp_path / "bf16.tlens")
+    for op in t.ops:
+        if op.saved and op.out is not None:
+            got = back[op.label].out
+            assert got.dtype == op.out.dtype and got.shape == op.out.shape, op.label
+            assert mx.array_equal(mx.view(got, mx.uint16), mx.view(op.out, mx.uint16)).item(), op.label
+    assert proto.validate(back, None).ok

@@ -133,6 +133,13 @@ def test_fold_repeats_rolled(tmp_path):
     d = trace.draw(tmp_path / "r.dot", fold_repeats=True, rolled=True)
     assert "+2 more" in _node_titles(str(d))
     assert d.num_nodes == len(trace.layers) - 6 + 1  # blocks 2 and 3 (3 layers each) -> one node
+    more = d.node_ids[next(op.layer_label for op in trace if op.modules[1:2] == ("3",))]
+    assert f"{more} -> {more}" not in str(d)  # block 2 feeding block 3 is inside the fold, not a loop
+    plain = trace.draw(tmp_path / "p.dot", rolled=True)
+    # plain: input->linear0, 4 per block (x->fc, fc->relu, relu->add, x->add) x3, add->linear4, linear4->output = 15
+    # folded: input->linear0, block 1's 4, block1->'+2 more' (fc and residual merge), '+2 more'->linear4,
+    # linear4->output = 8
+    assert (plain.num_edges, d.num_edges) == (15, 8)
 
 
 def test_gpt2_four_layers_fold(tmp_path):
@@ -232,11 +239,19 @@ def test_show_containers_nodes_records_and_keyed_ties(tmp_path):
     # output <- output['o'] and output <- output['h']: 2
     assert len(ties) == 4 + 2 + 1 + 2
     assert all('color="#8c959f"' in l for l in ties)
+    o_rec = next(n for n in records if n.title == "output['o']")
+    assert o_rec.label_html.count("PORT=") == 1 and "[0] .. [13]" in o_rec.label_html
     assert any("label=\"['a']\"" in l for l in ties)
     ida = d.node_ids["input_1"]
     assert any(re.match(rf"\s*r\d+:k0 -> {ida} ", l) for l in ties)
     # data edges are unchanged
     assert d.num_edges == collapsed.num_edges
+    # the pair split returned sits in a dotted box of its own (not a module frame)
+    split = next(op for op in trace if op.func_name == "split")
+    boxes = re.findall(r"subgraph cluster_tuple_\d+ \{\n\s*graph \[([^\n]*)\];\n\s*(n\d+) \[", src)
+    assert [(b[1], 'style="dotted"' in b[0], "2 outputs" in b[0]) for b in boxes] == [(d.node_ids[split.label], True, True)]
+    assert d.num_clusters == collapsed.num_clusters
+    assert "cluster_tuple" not in str(collapsed)
 
 
 def test_show_containers_nodes_mid_graph_tuple(tmp_path):
@@ -260,6 +275,20 @@ def test_show_containers_nodes_mid_graph_tuple(tmp_path):
     member_of = [l for l in src.splitlines() if 'arrowhead="none"' in l]
     assert len(member_of) == 2 and all('style="dashed"' in l for l in member_of)
     assert {l.split("->")[0].strip() for l in member_of} == {d.node_ids["sin_1_1"], d.node_ids["cos_1_2"]}
+
+
+def test_labels_put_the_leaf_key_on_edges_into_output_leaves(tmp_path):
+    trace = _fan_trace()
+    d = trace.draw(tmp_path / "l.dot", show_containers="labels")
+    src = str(d)
+    for op in trace:
+        if op.kind != "output":
+            continue
+        key = re.findall(r"\[[^\[\]]*\]", str(op.path))[-1]  # by hand: the last [..] of the path
+        (parent,) = op.parents
+        line = next(l for l in src.splitlines() if l.strip().startswith(f"{d.node_ids[parent]} -> {d.node_ids[op.label]}"))
+        assert f'label="{key}"' in line, (op.label, line)
+    assert 'label="[' not in str(trace.draw(tmp_path / "p.dot"))
 
 
 def test_string_show_containers_forces_dot(tmp_path):

@@ -616,6 +616,8 @@ _register("LogitLensError", {
     "logit_lens_facet_unavailable": "no module provides the projected facet (facet=), or modules= names one without it",
     "logit_lens_mask_input_unavailable": "mask_input=True needs the trace's first input to be a saved integer "
                                          "token-id tensor",
+    "logit_lens_layer_outside_head": "modules= names a block outside the tower the head reads (a CLIP text-tower "
+                                     "block for the image head)",
 })
 _register("FacetWarning", {
     "facet_recipe_collision": "two same-tier recipes declare one facet name for a module; the later one is used",

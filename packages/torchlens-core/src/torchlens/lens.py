@@ -93,7 +93,8 @@ def _head(trace: Any) -> Any:
     """The one head module: a language-model head, else (vision) a classification head."""
     from torchlens.facets.view import modules_with_facet
 
-    heads = modules_with_facet(trace, "unembed_weight") or modules_with_facet(trace, "classifier_weight")
+    heads = (modules_with_facet(trace, "unembed_weight") or modules_with_facet(trace, "classifier_weight")
+             or modules_with_facet(trace, "image_projection_weight"))
     if len(heads) != 1:
         raise LogitLensError("logit_lens_head_unavailable", f"{len(heads)} modules carry a language-model or "
                              "classification head in this trace; the lens needs exactly one",
@@ -101,8 +102,19 @@ def _head(trace: Any) -> Any:
     return heads[0]
 
 
+#: the head facet that names each lens source, and the facet holding the head's captured output
+_SOURCES = (("classifier_weight", "classifier_head", "logits"),
+            ("image_projection_weight", "contrastive_head", "logits_per_image"))
+
+
 def lens_source(trace: Any) -> str:
-    return "classifier_head" if "classifier_weight" in _head(trace).facets else "language_model_head"
+    f = _head(trace).facets
+    return next((src for name, src, _ in _SOURCES if name in f), "language_model_head")
+
+
+def _head_output(trace: Any) -> Any:
+    f = _head(trace).facets
+    return f[next((out for name, _, out in _SOURCES if name in f), "logits")].value
 
 
 def head_projection(trace: Any) -> Callable[[Any], Any]:
@@ -119,11 +131,20 @@ def head_projection(trace: Any) -> Callable[[Any], Any]:
     gamma = f["final_norm_gamma"].value
     beta = f["final_norm_beta"].value if "final_norm_beta" in f else None
     classifier = "classifier_weight" in f
-    w = f["classifier_weight" if classifier else "unembed_weight"].value
+    contrastive = not classifier and "image_projection_weight" in f
+    w = f["classifier_weight" if classifier else "image_projection_weight" if contrastive else "unembed_weight"].value
     bias_name = "classifier_bias" if classifier else "unembed_bias"
-    b = f[bias_name].value if bias_name in f else None
-    pos = f["pooled_position"].value if classifier else None
+    b = f[bias_name].value if bias_name in f and not contrastive else None
+    pos = f["pooled_position"].value if classifier or contrastive else None
     ops = edit_ops_of(trace._backend, "the logit lens")
+    if contrastive:  # CLIP: scored against the captured text features with the model's own logit_scale
+        if "text_features" not in f or "logit_scale" not in f:
+            raise LogitLensError("logit_lens_head_unavailable", "the contrastive head has no captured text features "
+                                 "or logit_scale", remedy="capture the model on images AND the label prompts "
+                                 "(input_ids=...)")
+        text = f["text_features"].value
+        text = text * (ops.mean(text * text, -1, True) * text.shape[-1]) ** -0.5
+        scale = float(np.exp(_np(f["logit_scale"].value).astype(np.float64)).reshape(-1)[0])
 
     def project(x: Any) -> Any:
         if pos is not None:  # the one token a classification head reads ([CLS])
@@ -138,9 +159,21 @@ def head_projection(trace: Any) -> Callable[[Any], Any]:
         if beta is not None:
             y = y + beta
         logits = y @ w.swapaxes(0, 1)
+        if contrastive:
+            logits = logits * (ops.mean(logits * logits, -1, True) * logits.shape[-1]) ** -0.5
+            return (logits @ text.swapaxes(0, 1)) * scale
         return logits if b is None else logits + b
 
     return project
+
+
+def _scope(trace: Any) -> str | None:
+    try:
+        f = _head(trace).facets
+    except LogitLensError:
+        return None
+    scope = f["tower_address"].value if "tower_address" in f else None
+    return None if scope in (None, "", "self") else scope  # the root: every block feeds the head
 
 
 def _blocks(trace: Any, facet: str, modules: Any) -> list[Any]:
@@ -148,10 +181,18 @@ def _blocks(trace: Any, facet: str, modules: Any) -> list[Any]:
 
     if modules is None:
         found = modules_with_facet(trace, facet)
+        scope = _scope(trace)
+        if scope is not None:  # a two-tower model (CLIP): only the tower the head reads
+            found = [m for m in found if m.address.startswith(scope + ".")]
     else:
         found = []
         for a in modules:
             m = trace._modules.get(a)
+            scope = _scope(trace)
+            if scope is not None and m is not None and not a.startswith(scope + "."):
+                raise LogitLensError("logit_lens_layer_outside_head", f"module {a!r} is outside the tower the head "
+                                     f"reads ({scope!r})", remedy=f"pass blocks under {scope!r}", module=a,
+                                     tower=scope)
             if m is None or facet not in m.facets:
                 raise LogitLensError("logit_lens_facet_unavailable", f"module {a!r} has no facet {facet!r} now",
                                      remedy="pass modules with that facet (trace.modules_with_facet(facet))",
@@ -198,7 +239,7 @@ def logit_lens(trace: Any, *, facet: str = "resid_post", modules: Any = None, le
     if verify and lens is None:
         last = entries[-1].logits if modules is None else apply(
             _blocks(trace, facet, None)[-1].address, _blocks(trace, facet, None)[-1].facets[facet].value)
-        captured = _head(trace).facets["logits"].value
+        captured = _head_output(trace)
         validated, err = _close(last, captured)
         if not validated:
             raise LogitLensError("logit_lens_verification_failed", f"the reconstructed head applied to the last "
@@ -280,7 +321,7 @@ def logit_lens_predictions(trace: Any, *, k: int = 5, positions: Any = None, tok
         fn = project if project is not None else (lens if callable(lens) else lens[m.address])
         logits = fn(x)
         if verify and lens is None and i == len(blocks) - 1 and modules is None:
-            validated, err = _close(logits, _head(trace).facets["logits"].value)
+            validated, err = _close(logits, _head_output(trace))
             if not validated:
                 raise LogitLensError("logit_lens_verification_failed", f"the reconstructed head applied to the last "
                                      f"block's {facet} differs from the captured logits by {err:.3g}",
@@ -288,7 +329,7 @@ def logit_lens_predictions(trace: Any, *, k: int = 5, positions: Any = None, tok
         rows.append(_reduce(m.address, logits, k, positions, tokens, banned, "projected through final norm/head"))
         del logits  # one layer's full projection at a time
     if include_native:
-        rows.append(_reduce("native", _head(trace).facets["logits"].value, k, positions, tokens, banned,
+        rows.append(_reduce("native", _head_output(trace), k, positions, tokens, banned,
                             "native output"))
     return Predictions(rows, validated, facet, tokens)
 

@@ -300,6 +300,7 @@ class JAXBackend:
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
                 replay_rng: bool = True, _edit_plan: Any = None, **options: Any) -> Any:
+        t_entry = time.perf_counter()  # setup_duration: from here to the forward's start
         # the same pre-capture refusals tl.trace makes, for callers that reach capture directly
         check_requested_capabilities(self, capture, options)
         if not isinstance(replay_rng, bool):
@@ -327,6 +328,7 @@ class JAXBackend:
         prov = Provenance("jax", backend_version=__version__, framework_version=jax.__version__, model_class=desc.root_class,
                           start_time=time.time(), root_entry_point="function" if desc.kind == "function" else "module")
         prov.extra["model_kind"] = desc.kind
+        prov.extra["setup_duration"] = start - t_entry  # refusals, model description, input leaves
         arrays = [x for _, x in inputs]
         log = EventLog()
         try:
@@ -376,6 +378,8 @@ class JAXBackend:
             keep_for_backward(trace, traced.out_tree, save_grads=bool(capture.save_grads),  # before save= drops sources
                               edit_plan=_edit_plan)
         apply_save(trace, plan)
+        # from the forward's end (tracing + evaluation) to here: records built, backward kept, save= applied
+        prov.extra["cleanup_duration"] = time.perf_counter() - (start + prov.duration)
         return trace
 
     # gradients ----------------------------------------------------------------------------------------

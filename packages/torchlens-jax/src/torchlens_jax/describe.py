@@ -183,7 +183,7 @@ def describe_linen(module: Any, variables: Any, args: tuple, kwargs: dict) -> De
         _add_leaf(desc, address, leaf, n[0] == "params", mods)
     try:
         hash(module)
-        desc.cache_key = _leaf_key(("linen", type(module), id(module), treedef), desc.leaves)
+        desc.cache_key = _leaf_key(("linen", module, treedef), desc.leaves)  # the module itself: its config is in its hash
     except TypeError:
         desc.cache_key = None
     return desc

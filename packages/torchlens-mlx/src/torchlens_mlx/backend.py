@@ -53,6 +53,9 @@ from torchlens_mlx import __version__, patch
 from torchlens_mlx.plugin import FRAMEWORK
 
 _RANDOM = "mlx.core.random."
+#: the framework's own `view`/`astype`, bound at import (before any capture wraps them), for
+#: the backend's bookkeeping on bfloat16 arrays, which must never be recorded as ops
+_VIEW, _ASTYPE = mx.view, mx.array.astype
 
 
 def snapshot(a: Any) -> Any:
@@ -65,7 +68,7 @@ def _buffer_key(a: Any) -> tuple:
     (also with compilation disabled) hand their body new Python objects for the same arrays,
     so a value seen under a new object is found by its buffer (address, shape, strides: a
     transposed view of a square matrix is not the matrix)."""
-    h = np.asarray(mx.view(a, mx.uint16) if a.dtype == mx.bfloat16 else a)  # numpy has no bfloat16; a view shares the buffer
+    h = np.asarray(_VIEW(a, mx.uint16) if a.dtype == mx.bfloat16 else a)  # numpy has no bfloat16; a view shares the buffer
     return (h.__array_interface__["data"][0], h.shape, h.strides, str(a.dtype))
 
 
@@ -369,7 +372,7 @@ class MLXBackend:
     def host_copy(self, value: Any) -> np.ndarray:
         mx.eval(value)
         if value.dtype == mx.bfloat16:  # numpy has no bfloat16: float32 holds every value exactly
-            return np.array(value.astype(mx.float32), copy=True)
+            return np.array(_ASTYPE(value, mx.float32), copy=True)
         return np.array(value, copy=True)
 
     def from_host(self, values: Any, like: Any) -> Any:

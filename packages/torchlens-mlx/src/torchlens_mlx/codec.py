@@ -12,6 +12,8 @@ import numpy as np
 
 from torchlens.backends.sdk import NumpyCodec
 
+_VIEW = mx.view  # bound at import: never a wrapped (recorded) call
+
 
 class MLXCodec:
     name = "mlx"
@@ -28,7 +30,7 @@ class MLXCodec:
         the bits of a matmul."""
         mx.eval(value)
         bf16 = value.dtype == mx.bfloat16
-        h = np.asarray(mx.view(value, mx.uint16) if bf16 else value)  # a view keeps the layout
+        h = np.asarray(_VIEW(value, mx.uint16) if bf16 else value)  # a view keeps the layout
         order = _memory_order(h)
         if order is None:
             enc = self._numpy.encode(np.array(h, copy=True))
@@ -45,7 +47,7 @@ class MLXCodec:
         if axes:
             arr = arr.transpose([int(a) for a in axes.split(",")])
         if payload.meta.get("mlx_dtype") == "bfloat16":
-            arr = mx.view(arr, mx.bfloat16)
+            arr = _VIEW(arr, mx.bfloat16)
         return arr
 
 

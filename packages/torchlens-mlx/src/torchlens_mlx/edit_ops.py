@@ -17,6 +17,8 @@ import numpy as np
 
 from torchlens.backends.sdk import ReplayOpsBase
 
+_ASTYPE = mx.array.astype  # bound at import: never a wrapped (recorded) call
+
 
 def _array(x: Any) -> Any:
     return x if isinstance(x, mx.array) else mx.array(np.asarray(x))
@@ -104,7 +106,7 @@ class MLXEditOps(ReplayOpsBase):
             # numpy has no bfloat16: compare in float32, which holds every bfloat16 value exactly
             if a.dtype != b.dtype or a.shape != b.shape:
                 return False
-            return super().equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+            return super().equal(np.array(_ASTYPE(a, mx.float32)), np.array(_ASTYPE(b, mx.float32)))
         return super().equal(a, b)
 
     def grad_enabled(self) -> Any:

@@ -32,6 +32,7 @@ from torchlens.backends.sdk import (
 
 from torchlens_torch import __version__
 from torchlens_torch.concurrency import ThreadWatch, exclusive
+from torchlens_torch.costs import SavedTensorTally, stamp_autograd_memory
 from torchlens_torch.describe import MODULE_INTERNALS, describe_model
 from torchlens_torch import module_attributes as _module_attributes
 from torchlens_torch import output_names as _output_names
@@ -380,6 +381,12 @@ class _Capture:
         if self.plan.kind == "select":
             apply_save(trace, self.plan)
         trace.backend_state = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
+        if isinstance(getattr(self, "_tally", None), SavedTensorTally):
+            stamp_autograd_memory(trace, self._tally, attached=not opts.detach_saved_activations)
+            provenance.extra["records_autograd_memory"] = True
+        elif inference_only:  # nothing was saved for backward: zero, not unknown
+            trace.cost.__dict__["_pinned"] = 0
+            provenance.extra["records_autograd_memory"] = True
         if rec.nonfinite_ops and opts.on_nonfinite == "warn":
             _warn_nonfinite(trace, rec.nonfinite_ops)
         t_done = time.perf_counter()
@@ -387,6 +394,19 @@ class _Capture:
         # from the forward's end to here: hooks removed, state restored, records built
         provenance.extra["cleanup_duration"] = t_done - (self._t_forward + forward_duration)
         return trace
+
+    def _saved_tally(self, rec: Recorder, desc: Any) -> Any:
+        """Count what autograd saves for backward, only when the capture records gradients
+        (the pack hook is per saved tensor; an inference capture pays nothing)."""
+        opts = self.opts
+        if not (opts.backward_ready or opts.save_grads):
+            return contextlib.nullcontext()
+        storages = set()
+        for _, m in desc.modules:
+            for p in m._parameters.values():
+                if p is not None and p.device.type != "meta":
+                    storages.add(p.untyped_storage().data_ptr())
+        return SavedTensorTally(rec, storages)
 
     def _forward(self, rec: Recorder, desc: Any, fn: Any, grad_ctx: Any) -> tuple:
         """Run the forward with the interception installed (caller holds the capture lock).
@@ -416,7 +436,8 @@ class _Capture:
             handles = install_module_hooks(rec)
             handles.append(_output_names.install(rec))  # structural output names (facets), after rec's hooks
             self._output_names = handles[-1]
-            with watch, grad_ctx, mode:
+            tally = self._tally = self._saved_tally(rec, desc)
+            with watch, grad_ctx, tally, mode:
                 output = _run_root(fn, self.args, self.kwargs)
         except Exception as exc:  # the forward raised: keep the prefix as a partial trace
             failure = exc
@@ -464,30 +485,60 @@ def sample_positions(n: int, k: int) -> list[int]:
 
 
 def _param_hash_quick(root: nn.Module) -> str:
-    """sha256 hex over each parameter's address, shape, dtype, device and requires_grad and
-    up to `_HASH_SAMPLES` evenly spaced elements of it (read before the forward, no grad)."""
+    """sha256 hex over each parameter's address and a per-parameter digest of its shape,
+    dtype, device, requires_grad and up to `_HASH_SAMPLES` evenly spaced elements (read
+    before the forward, no grad). The per-parameter digest is cached while the Parameter
+    object, its version counter and its storage pointer stay the same, so a repeated
+    capture of an unchanged model reads no element (an in-place update through the
+    Parameter, e.g. an optimizer step, bumps its version; a write through `p.data` does not,
+    so such a write is only seen once the storage is replaced or the Parameter is)."""
     import hashlib
-    import json
 
     h = hashlib.sha256()
-    with torch.no_grad():
-        for name, p in root.named_parameters():
-            h.update(json.dumps([name, list(p.shape), str(p.dtype), str(p.device), bool(p.requires_grad)]).encode())
-            n = p.numel()
-            if n == 0 or p.device.type == "meta":
-                continue
+    for name, p in root.named_parameters():
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(_param_digest(p))
+    return h.hexdigest()
+
+
+#: id(Parameter) -> (weakref to it, key it was computed under, digest); an entry dies with its Parameter.
+_DIGESTS: dict[int, tuple[Any, tuple, bytes]] = {}
+
+
+def _param_digest(p: torch.Tensor) -> bytes:
+    import hashlib
+    import weakref
+
+    key = (p._version, p.data_ptr() if p.device.type != "meta" else 0, tuple(p.shape), p.dtype, p.device,
+           bool(p.requires_grad))
+    hit = _DIGESTS.get(id(p))
+    if hit is not None and hit[0]() is p and hit[1] == key:
+        return hit[2]
+    h = hashlib.sha256(repr([list(p.shape), str(p.dtype), str(p.device), bool(p.requires_grad)]).encode())
+    n = p.numel()
+    if n and p.device.type != "meta":
+        with torch.no_grad():
             pos = sample_positions(n, _HASH_SAMPLES)
             t = p.detach()
+            sample = None
             if t.device.type == "cpu" and t.is_contiguous():
                 try:  # a zero-copy NumPy view: no torch op per parameter
-                    h.update(t.numpy().reshape(-1)[pos].tobytes())
-                    continue
+                    sample = t.numpy().reshape(-1)[pos].tobytes()
                 except (TypeError, RuntimeError):  # a dtype NumPy lacks (bfloat16, ...): the torch path
-                    pass
-            idx = torch.tensor(pos, dtype=torch.long, device=t.device)
-            sample = t.reshape(-1).index_select(0, idx).cpu().contiguous()
-            h.update(sample.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+                    sample = None
+            if sample is None:
+                idx = torch.tensor(pos, dtype=torch.long, device=t.device)
+                sample = t.reshape(-1).index_select(0, idx).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        h.update(sample)
+    digest = h.digest()
+    ident = id(p)
+    try:
+        ref = weakref.ref(p, lambda _r, ident=ident: _DIGESTS.pop(ident, None))
+    except TypeError:  # not weak-referenceable: no caching
+        return digest
+    _DIGESTS[ident] = (ref, key, digest)
+    return digest
 
 
 def _flag_hygiene(provenance: Provenance, rec: Recorder, new_threads: list[str], unseen_param_writes: list[str]) -> None:

@@ -101,3 +101,84 @@ def op_cost(name: str, args: tuple, kwargs: dict, outs: tuple) -> tuple[int, int
         return fn(args, kwargs, outs)
     except (AttributeError, IndexError, TypeError):
         return None
+
+
+class SavedTensorTally:
+    """Counts the tensors autograd saves for backward while a capture's forward runs
+    (`torch.autograd.graph.saved_tensors_hooks`; the pack hook returns the tensor itself, so
+    nothing about the graph changes). Each saved tensor is charged to the op whose call saved
+    it: the recorder's next event id at pack time (the call's event is recorded after the
+    call returns). Entered only when the capture records gradients (backward_ready/save_grads)."""
+
+    def __init__(self, rec: Any, param_storages: set[int]) -> None:
+        self.rec = rec
+        self.param_storages = param_storages
+        self.saved: list[tuple[int, int, int, bool]] = []  # (event id, storage key, bytes, is a Parameter's)
+        self._ctx: Any = None
+
+    def _pack(self, t: Any) -> Any:
+        try:
+            key = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, functional wrapper)
+            key = id(t)
+        self.saved.append((self.rec.next_id, key, t.numel() * t.element_size(), key in self.param_storages))
+        return t
+
+    @staticmethod
+    def _unpack(t: Any) -> Any:
+        return t
+
+    def __enter__(self) -> "SavedTensorTally":
+        import torch
+
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ctx.__exit__(*exc)
+
+    def per_event(self, op_events: list[int]) -> dict[int, list[tuple[int, int, bool]]]:
+        """event id -> [(storage key, bytes, is a Parameter's), ...], each storage once per op
+        (the first saved view of a storage counts, in full). A pack at position p belongs to
+        the first op event (sorted `op_events`) with id >= p: source events (a buffer or
+        constant first seen as an argument) get their ids before the call's own event."""
+        import bisect
+
+        out: dict[int, dict[int, tuple[int, int, bool]]] = {}
+        for pos, key, nbytes, is_param in self.saved:
+            i = bisect.bisect_left(op_events, pos)
+            if i == len(op_events):
+                continue  # saved by code after the last recorded call: no op to charge
+            out.setdefault(op_events[i], {}).setdefault(key, (key, nbytes, is_param))
+        return {eid: list(d.values()) for eid, d in out.items()}
+
+
+def stamp_autograd_memory(trace: Any, tally: SavedTensorTally, attached: bool) -> None:
+    """Write each op's `meta["autograd_memory"]` / `meta["num_autograd_tensors"]` and the
+    trace's pinned bytes (kept off the saved file: `trace.cost.__dict__["_pinned"]`)."""
+    by_event = tally.per_event(sorted(op.event_id for op in trace._ops.values()
+                                      if op.kind == "op" and getattr(op, "event_id", None) is not None))
+    by_label: dict[str, list[tuple[int, int, bool]]] = {}
+    for op in trace._ops.values():
+        rows = by_event.get(getattr(op, "event_id", None), [])
+        op.meta["autograd_memory"] = sum(n for _, n, _ in rows)
+        op.meta["num_autograd_tensors"] = len(rows)
+        by_label[op.label] = rows
+    pinned = 0
+    if attached:  # payloads that keep their graph pin every op upstream of them (and themselves)
+        seen_ops: set[str] = set()
+        stack = [op.label for op in trace._ops.values() if op.saved and op.kind not in ("input", "output")]
+        while stack:
+            label = stack.pop()
+            if label in seen_ops or label not in trace._ops:
+                continue
+            seen_ops.add(label)
+            stack.extend(trace._ops[label].parents)
+        storages: dict[int, int] = {}
+        for label in seen_ops:
+            for key, nbytes, is_param in by_label.get(label, ()):
+                if not is_param:
+                    storages.setdefault(key, nbytes)
+        pinned = sum(storages.values())
+    trace.cost.__dict__["_pinned"] = pinned

@@ -22,7 +22,11 @@ def stamp_identity(trace: Any, backend: Any, args: tuple, kwargs: dict, changed_
     `changed_params(trace, addresses)` names the parameters changed since the capture (the
     intervention layer's stamps), which `param_hash_full` refuses to hash."""
     extra = trace.provenance.extra
-    extra["fingerprint"] = structural_fingerprint(trace)
+    extra.pop("fingerprint", None)
+    # computed on first read of provenance.fingerprint (or at save/pickle), not per capture:
+    # it walks every op, which a capture that never reads it should not pay for
+    ops, modules = trace._ops, trace._modules
+    trace.provenance.__dict__["_fingerprinter"] = lambda: _fingerprint_rows(ops, modules)
     text = input_structure(backend, args, kwargs)
     extra["input_structure"] = text
     extra["input_signature_hash"] = hashlib.sha256(text.encode()).hexdigest()
@@ -35,10 +39,13 @@ def structural_fingerprint(trace: Any) -> str:
     """sha256 hex over every op (execution order) of: callable name, kind, parent positions,
     output shapes and dtypes, and the class of the module it ran in. Addresses, labels,
     weights and input values do not enter it."""
-    position = {label: i for i, label in enumerate(trace._ops)}
-    modules = trace._modules
+    return _fingerprint_rows(trace._ops, trace._modules)
+
+
+def _fingerprint_rows(ops: Any, modules: Any) -> str:
+    position = {label: i for i, label in enumerate(ops)}
     rows = []
-    for op in trace._ops.values():
+    for op in ops.values():
         owner = modules.get(op.module) if op.module else None
         rows.append([op.func_name, op.kind, [position.get(p, -1) for p in op.parents],
                      [None if s is None else list(s) for s in op.shapes or ()],

@@ -93,8 +93,14 @@ class Provenance:
         """Address-free structural hash of the captured graph (sha256 hex): every op's
         callable, kind, parent positions, output shapes and dtypes and owning module class,
         in execution order. Equal for two captures of the same architecture on inputs of the
-        same shapes, whatever the weights or module names."""
-        return self.extra.get("fingerprint")
+        same shapes, whatever the weights or module names. Computed on first read (and
+        before the trace is saved or pickled), then kept."""
+        value = self.extra.get("fingerprint")
+        make = self.__dict__.get("_fingerprinter")
+        if value is None and make is not None:
+            value = self.extra["fingerprint"] = make()
+            self.__dict__.pop("_fingerprinter", None)
+        return value
 
     @property
     def input_structure(self) -> str | None:
@@ -127,6 +133,7 @@ class Provenance:
         Computed on first read (and by `Trace.save`) from the parameter values the trace
         holds, then kept; None (reason in `unavailable`) when a parameter changed since the
         capture, because its capture-time bytes are gone."""
+        self.fingerprint  # noqa: B018 - a save reads this first, so the file keeps the lazy fingerprint too
         value = self.extra.get("param_hash_full")
         hasher = self.__dict__.get("_param_hasher")
         if value is None and hasher is not None:
@@ -154,6 +161,7 @@ class Provenance:
     def unavailable(self) -> dict[str, str]:
         """Spec provenance fields that read None on this trace, each with the reason."""
         why: dict[str, str] = {}
+        self.fingerprint  # noqa: B018 - settle the lazy fields before asking which are missing
         for name in ("setup_duration", "cleanup_duration", "fingerprint", "input_structure", "input_signature_hash",
                      "input_object_id", "param_hash_quick", "owner_thread_id", "thread_count_start",
                      "thread_count_end", "thread_activity_detected", "model_object_id"):
@@ -176,8 +184,10 @@ class Provenance:
         return why
 
     def __getstate__(self) -> dict[str, Any]:
+        self.fingerprint  # noqa: B018 - lazy facts are settled so the copy keeps them
         state = dict(self.__dict__)
-        state.pop("_param_hasher", None)  # holds the live trace; a copy keeps what was computed
+        for lazy in ("_param_hasher", "_fingerprinter"):
+            state.pop(lazy, None)  # they hold the live trace/model; a copy keeps what was computed
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -192,8 +202,9 @@ class Provenance:
         if phases:
             lines.append("phases: " + ", ".join(phases))
         lines.append("verified" if self.verified else f"not verified: {self.verification_reason}")
+        self.fingerprint  # noqa: B018 - cheap next to a summary; param_hash_full is not computed for one
         for name in ("fingerprint", "input_signature_hash", "param_hash_quick", "param_hash_full"):
-            value = self.extra.get(name)  # what is known now; param_hash_full is not computed for a summary
+            value = self.extra.get(name)
             if value is not None:
                 lines.append(f"{name} {value[:16]}")
         if self.input_structure:
@@ -281,6 +292,32 @@ class Cost:
                          for i, g in enumerate(op.grads) if g is not None))
 
     @property
+    def total_autograd_memory(self) -> Any:
+        """Bytes autograd saved for backward during the captured forward, summed over the
+        ops' `meta["autograd_memory"]` (each op counts every storage it saved once, a saved
+        view in full; a tensor two ops save counts twice). Bytes(0) for an inference-only
+        capture; None when the capture did not record gradients (the backend counts saved
+        tensors only when backward_ready/save_grads is on)."""
+        from torchlens.types import Bytes
+
+        trace = self._records()
+        if trace is None or not trace.provenance.extra.get("records_autograd_memory"):
+            return None
+        return Bytes(sum(op.meta.get("autograd_memory") or 0 for op in trace._ops.values()))
+
+    @property
+    def pinned_autograd_memory(self) -> Any:
+        """Bytes the attached payloads keep alive: the tensors autograd saved for every op
+        upstream of (and including) a saved op, each storage once, Parameters and views of
+        them excluded. Bytes(0) when every payload is detached or the forward ran without
+        grad; None on a loaded or unpickled trace (it is never saved) or when the capture did
+        not record gradients."""
+        from torchlens.types import Bytes
+
+        pinned = self.__dict__.get("_pinned")
+        return None if pinned is None else Bytes(pinned)
+
+    @property
     def func_calls_duration(self) -> Any:
         """Seconds spent inside the recorded calls themselves (the sum of every op's
         measured `duration`); None when the backend times no op."""
@@ -308,18 +345,27 @@ class Cost:
         why = {}
         if self._records() is None:
             for k in ("forward_peak_memory", "total_grad_memory", "saved_grad_memory", "func_calls_duration",
-                      "overhead_duration"):
+                      "overhead_duration", "total_autograd_memory", "pinned_autograd_memory"):
                 why[k] = "this Cost is not attached to a trace"
         else:
             if self.func_calls_duration is None:
                 why["func_calls_duration"] = why["overhead_duration"] = "the backend timed no op of this capture"
             if self.total_grad_memory is None:
                 why["total_grad_memory"] = "the backend does not record which op outputs required grad"
+            if self.total_autograd_memory is None:
+                why["total_autograd_memory"] = (
+                    "autograd-saved tensors are counted only by the torch backend, during a capture that records "
+                    "gradients (backward_ready=True or save_grads=True); this capture was not one")
+            if self.pinned_autograd_memory is None:
+                why["pinned_autograd_memory"] = (
+                    "measured only during a capture that records gradients, and never saved: a loaded, "
+                    "unpickled or copied trace holds no live graph to pin")
         return why
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_trace_ref", None)
+        state.pop("_pinned", None)  # what live payloads pin; a copy holds none of it
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

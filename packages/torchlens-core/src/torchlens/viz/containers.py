@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from torchlens.viz.dot import LINE_PT, TITLE_PT, esc
-from torchlens.viz.ir import RenderIR, RNode
+from torchlens.viz.dot import LINE_PT, TITLE_PT, TUPLE_BOX, esc
+from torchlens.viz.ir import RCluster, RenderIR, RNode
 from torchlens.viz.units import fmt_shapes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,7 +70,7 @@ def fold_leaves(trace: "Trace", ir: RenderIR, max_inline: int) -> list[tuple[str
         first, last = leaf_keys(ops[0])[1][-1], leaf_keys(ops[-1])[1][-1]
         node = RNode(f"k{len(done)}", "container", f"{container} x{len(ops)}",
                      [f"{kind} leaves {first} .. {last}", fmt_shapes(list(shapes)) if shapes else ""],
-                     None, None, list(ops), 1)
+                     None, ("folded leaves", first, last), list(ops), 1)
         node.lines = [line for line in node.lines if line]
         for i in ids:
             folds[i] = node
@@ -105,7 +105,8 @@ def _merge(ir: RenderIR, folds: dict[str, RNode]) -> None:
 
 
 def _record_label(title: str, keys: list[str]) -> str:
-    cells = "".join(f'<TD BORDER="1" SIDES="L" PORT="k{i}"><FONT POINT-SIZE="{LINE_PT}">{esc(k)}</FONT></TD>'
+    sep = ' BORDER="1" SIDES="L"'  # a rule between fields, none before the first
+    cells = "".join(f'<TD{sep if i else ""} PORT="k{i}"><FONT POINT-SIZE="{LINE_PT}">{esc(k)}</FONT></TD>'
                     for i, k in enumerate(keys))
     return (f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="3">'
             f'<TR><TD COLSPAN="{max(len(keys), 1)}"><FONT POINT-SIZE="{TITLE_PT}"><B>{esc(title)}</B></FONT></TD></TR>'
@@ -118,12 +119,15 @@ def container_nodes(trace: "Trace", ir: RenderIR) -> int:
     leaf_of: dict[tuple[str, str, str], list[str]] = {}  # (kind, container, key) -> node ids
     for op in _leaves(trace):
         root, keys = leaf_keys(op)
+        nid = ir.node_of.get(op.label)
+        rec = ir.nodes[nid].record if nid is not None else None
+        if isinstance(rec, tuple) and rec and rec[0] == "folded leaves":  # one field for the folded range
+            keys = keys[:-1] + (f"{rec[1]} .. {rec[2]}",)
         for depth in range(len(keys)):
             path = root + "".join(keys[:depth])
             ks = tree.setdefault((op.kind, path), [])
             if keys[depth] not in ks:
                 ks.append(keys[depth])
-        nid = ir.node_of.get(op.label)
         if nid is not None:
             ids = leaf_of.setdefault((op.kind, root + "".join(keys[:-1]), keys[-1]), [])
             if nid not in ids:
@@ -159,7 +163,29 @@ def container_nodes(trace: "Trace", ir: RenderIR) -> int:
                     ir.extra_edges.append((t, port, dict(grey, label=key)))
     n = len(ids)
     n += _returned_tuples(trace, ir)
+    n += _tuple_boxes(trace, ir)
     return n
+
+
+def _tuple_boxes(trace: "Trace", ir: RenderIR) -> int:
+    """A dotted box around each op drawn on its own that returned a tuple of two or more
+    tensors (its leaves come from that one op, so they share its module); the slot labels on
+    its out-edges name the leaves."""
+    count = 0
+    for op in trace:
+        if not op.multi_output or len(op.shapes) < 2:
+            continue
+        nid = ir.node_of.get(op.label)
+        node = ir.nodes.get(nid) if nid is not None else None
+        if node is None or node.kind in ("module", "repeat", "container") or len(node.ops) != 1:
+            continue
+        key = f"tuple:{op.label}"
+        parent = node.cluster
+        level = ir.clusters[parent].level + 1 if parent is not None else 0
+        ir.clusters[key] = RCluster(key, parent, f"{len(op.shapes)} outputs", "", level, TUPLE_BOX)
+        node.cluster = key
+        count += 1
+    return count
 
 
 def _mk(nid: str, path: str, keys: list[str]) -> RNode:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
 RANKDIR = {"TB": "TB", "BT": "BT", "LR": "LR", "RL": "RL", "topdown": "TB", "bottomup": "BT",
            "leftright": "LR", "rightleft": "RL"}
 TITLE_PT = 11
+#: RCluster.record of a dotted box drawn around an op-returned tuple (not a module frame).
+TUPLE_BOX = "op-returned tuple"
 LINE_PT = 9
 #: Node label margin (inches, x,y). The y margin is wider than Graphviz's tight default so an
 #: underscore, drawn below the baseline of a node's last line, is not clipped by the border at
@@ -57,8 +59,9 @@ TITLE_GAP_PT = 3
 def node_label(node: "RNode") -> str:
     """The node's HTML-like label: the bold title in its own cell, padded below so its
     underscores stay visible at small sizes, then the detail lines."""
-    if node.label_html is not None:
-        return node.label_html
+    html = getattr(node, "label_html", None)  # a ready-made label (container record nodes)
+    if html is not None:
+        return html
     title = f'<TR><TD CELLPADDING="0" HEIGHT="{TITLE_PT + TITLE_GAP_PT}" VALIGN="TOP"><B>{esc(node.title)}</B></TD></TR>'
     if not node.lines:
         return f'<<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">{title}</TABLE>>'
@@ -262,7 +265,11 @@ def emit_dot(ir: "RenderIR", opts: DotOptions, progress: Any = None) -> str:
             cattrs = {"label": label, "style": "rounded,filled", "fillcolor": theme.cluster_fills[c.level % len(theme.cluster_fills)],
                       "color": theme.cluster_border, "fontcolor": theme.cluster_font, "fontsize": 10,
                       "labeljust": "l", "labelloc": "t", "penwidth": 1.0, "margin": 8}
-            out.append(f"{indent}subgraph cluster_{idx} {{")
+            if c.record == TUPLE_BOX:  # show_containers="nodes": the tuple an op returned
+                cattrs.update(style="dotted", fillcolor=None, margin=4)
+                out.append(f"{indent}subgraph cluster_tuple_{idx} {{")
+            else:
+                out.append(f"{indent}subgraph cluster_{idx} {{")
             out.append(f"{indent}  graph [{_attrs(cattrs)}];")
             emit(x, depth + 1)
             out.append(f"{indent}}}")

@@ -78,7 +78,8 @@ class Drawing:
 
     @property
     def num_clusters(self) -> int:
-        return self.source.count("subgraph cluster_")
+        """Module frames drawn (the dotted tuple boxes of show_containers="nodes" excluded)."""
+        return self.source.count("subgraph cluster_") - self.source.count("subgraph cluster_tuple_")
 
     @property
     def node_ids(self) -> dict[str, str]:
@@ -426,7 +427,8 @@ def _map_edge_overrides(ir: RenderIR, overrides: dict) -> dict[tuple[str, str], 
 
 
 def _container_labels(trace: "Trace", ir: RenderIR) -> dict[tuple[str, str], str]:
-    """show_containers='labels': the output slot on each edge out of a multi-output op."""
+    """show_containers='labels' (and up): the output slot on each edge out of a multi-output
+    op, and the container key on each edge into an output leaf (it wins where both apply)."""
     labels: dict[tuple[str, str], str] = {}
     by_event = {op.event_id: op for op in trace}
     for op in trace:
@@ -438,6 +440,17 @@ def _container_labels(trace: "Trace", ir: RenderIR) -> dict[tuple[str, str], str
             src = ir.node_of[parent.label]
             if src != dst:
                 labels[(src, dst)] = f"[{slot}]"
+    for op in trace:  # the key or index on each edge into an output container leaf
+        if op.kind != "output":
+            continue
+        keys = _containers.leaf_keys(op)[1]
+        dst = ir.node_of.get(op.label)
+        if not keys or dst is None or ir.nodes[dst].kind != "output":
+            continue  # a plain output, or a leaf folded into a summary node
+        for p in op.parents:
+            src = ir.node_of.get(p)
+            if src is not None and src != dst:
+                labels[(src, dst)] = keys[-1]
     return labels
 
 

@@ -263,7 +263,7 @@ def stack_groups(trace: "Trace", ir: "RenderIR", stack_by: Any) -> tuple[list[li
                                    remedy="use stack_by=True, a field name or a callable", source=repr(stack_by))
     groups: dict[Any, list[str]] = {}
     for node in ir.nodes.values():
-        if node.kind in BOX_KINDS:
+        if node.kind in BOX_KINDS or not node.ops:  # boxes; container record nodes hold no op
             continue
         value = get(node.ops[0])
         if value is None:

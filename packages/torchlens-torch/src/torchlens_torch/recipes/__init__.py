@@ -13,11 +13,11 @@ import torchlens
 
 from torchlens_torch.recipes.attention import attention, multihead_attention
 from torchlens_torch.recipes.blocks import mlp, residual_block
-from torchlens_torch.recipes.heads import classification_head, language_model_head
+from torchlens_torch.recipes.heads import classification_head, contrastive_image_head, language_model_head
 
 #: every built-in torch recipe, in registration order
 RECIPES: tuple[Any, ...] = (attention, multihead_attention, residual_block, mlp, language_model_head,
-                               classification_head)
+                               classification_head, contrastive_image_head)
 
 
 @torchlens.hookimpl
@@ -25,4 +25,5 @@ def torchlens_facet_recipes() -> list[Any]:
     return list(RECIPES)
 
 
-__all__ = ["RECIPES", "torchlens_facet_recipes", "attention", "multihead_attention", "residual_block", "mlp", "language_model_head", "classification_head"]
+__all__ = ["RECIPES", "torchlens_facet_recipes", "attention", "multihead_attention", "residual_block", "mlp", "language_model_head", "classification_head",
+           "contrastive_image_head"]

@@ -7,8 +7,8 @@ the chain that reads `resid_pre` directly (the post-attention residual add). A p
 block (GPT-NeoX, GPT-J: `x + attn(x) + mlp(x)`) has no such add, so resid_mid is absent,
 not guessed.
 
-An MLP is a non-attention child of a residual block whose output comes from a parameter
-projection: `out` is its output, `post` the tensor the output projection read, and `pre`
+An MLP is a non-attention child of a residual block (or of an attention-free residual
+wrapper inside one, T5's `T5LayerFF`) whose output comes from a parameter projection: `out` is its output, `post` the tensor the output projection read, and `pre`
 the projection output that reaches `post` through the activation (a gated MLP's other
 projection is `pre_linear`).
 """
@@ -75,11 +75,28 @@ def _block_like(module: Any) -> bool:
     return any(block_anchors(trace, c) is not None for c in module.calls) and contains_attention(module)
 
 
+def _is_stack(module: Any) -> bool:
+    """A stack of blocks (a ViT/CLIP encoder returning its last layer's residual add): its
+    call returns what a block-like descendant's call returned. A short stack's chain of adds
+    otherwise looks like one block's."""
+    for call in module.calls:
+        slots = call.output_slots
+        if not slots:
+            continue
+        out = slots[0][0]  # the hidden state (a T5 block also returns its position bias)
+        for d in _descendants(module):
+            if any(c.output_slots and c.output_slots[0][0] == out for c in d.calls) and _block_like(d):
+                return True
+    return False
+
+
 def is_block(module: Any) -> bool:
     """A residual block, and not a residual wrapper inside one (T5's per-sublayer wrappers
-    are parts of their T5Block)."""
+    are parts of their T5Block) nor a stack of blocks."""
+    if not _block_like(module) or _is_stack(module):
+        return False
     parent = called_ancestor(module)
-    return _block_like(module) and not (parent is not None and _block_like(parent))
+    return not (parent is not None and _block_like(parent) and not _is_stack(parent))
 
 
 def called_ancestor(module: Any) -> Any:
@@ -167,11 +184,17 @@ def mlp_anchors(trace: Any, call: Any) -> tuple[Any, Any, Any, Any] | None:
 
 def is_mlp(module: Any) -> bool:
     trace = module._trace
-    if module.parent is None or module.parent not in trace._modules or not module.calls:
+    if module.parent is None or not module.calls:
         return False
-    parent = trace._modules[module.parent]
-    if is_attention(module) or contains_attention(module) or not is_block(parent):
+    parent = called_ancestor(module)
+    if parent is None or is_attention(module) or contains_attention(module):
         return False
+    if not is_block(parent):
+        # a residual wrapper inside a block (T5's `T5LayerFF` around `DenseReluDense`): the
+        # wrapper's enclosing block counts, when the wrapper holds no attention itself
+        outer = called_ancestor(parent)
+        if outer is None or contains_attention(parent) or not is_block(outer):
+            return False
     return any(mlp_anchors(trace, c) is not None for c in module.calls)
 
 

@@ -38,7 +38,8 @@ def is_lm_model(module: Any) -> bool:
 
 
 CLASSIFIER_CHILDREN = ("classifier",)
-CLASSIFIER_FACETS = ("logits", "classifier_weight", "classifier_bias", "pooled_position", "final_norm_kind",
+CLASSIFIER_FACETS = ("logits", "classifier_weight", "classifier_bias", "pooled_position", "tower_address",
+                     "final_norm_kind",
                      "final_norm_eps", "final_norm_gamma", "final_norm_beta", "final_norm_input")
 
 
@@ -160,8 +161,79 @@ def classification_head(module: Any) -> dict[str, Any]:
         "pooled_position": torchlens.facets.computed_spec(lambda tr, p=pos: p, (), recipe_id=CLASSIFIER_ID),
     }
     found = final_norm(trace, head, source)
+    tower = trace._modules[found[0].address].parent if found is not None else None  # the module around the norm
+    out["tower_address"] = torchlens.facets.computed_spec(lambda tr, a=tower or "self": a, (), recipe_id=CLASSIFIER_ID)
     if found is not None:
         out.update(_norm_facets(trace, found, CLASSIFIER_ID))
+    return out
+
+
+CONTRASTIVE_ID = "torchlens_torch.contrastive_image_head"
+CONTRASTIVE_CHILDREN = ("visual_projection",)
+CONTRASTIVE_FACETS = ("logits_per_image", "image_projection_weight", "text_features", "logit_scale", "pooled_position",
+                      "tower_address", "image_features", "final_norm_kind", "final_norm_eps", "final_norm_gamma",
+                      "final_norm_beta", "final_norm_input")
+
+
+def contrastive_parts(module: Any) -> tuple[Any, Any, int, Any] | None:
+    """(projection call, norm call found by final_norm, pooled token index, pooling op) of a
+    CLIP-style image tower: a linear projection child reading a normalised ONE token of the
+    tower's last hidden state (`post_layernorm(h[:, 0, :])`)."""
+    trace = module._trace
+    for name in CONTRASTIVE_CHILDREN:
+        child = trace._modules.get(_child(module, name))
+        if child is None or len(child.calls) != 1:
+            continue
+        call = child.calls[0]
+        pops = [o for o in call.ops if o.params]
+        if len(pops) != 1 or pops[0].func_name != "linear" or not call.input_labels:
+            continue
+        found = final_norm(trace, call)
+        if found is None or not found[0].input_labels:
+            continue
+        pooled = _pooled_position(trace, found[0])  # the norm reads x[:, i, :]
+        if pooled is None:
+            continue
+        return call, found, pooled[0], trace._ops[found[0].input_labels[0]]
+    return None
+
+
+def is_contrastive_model(module: Any) -> bool:
+    return contrastive_parts(module) is not None
+
+
+@torchlens.facets.recipe(predicate=is_contrastive_model, facets=CONTRASTIVE_FACETS, recipe_id=CONTRASTIVE_ID,
+                         builtin=True)
+def contrastive_image_head(module: Any) -> dict[str, Any]:
+    """CLIP's contrastive image head: `logits_per_image` (the model's output), the image
+    projection's weight, `text_features` (the text projection's output), `logit_scale`, the
+    pooled token and the image tower's final norm; `tower_address` is the image tower (the
+    lens projects only its blocks); `image_features` is the image projection's output before
+    the contrastive normalisation (Hugging Face's `get_image_features`)."""
+    trace = module._trace
+    call, found, pos, pool = contrastive_parts(module)
+    pop = [o for o in call.ops if o.params][0]
+    weight = [a for a in pop.params if len(trace._params[a].shape) == 2]
+    spec = torchlens.facets.FacetSpec
+    scale = _child(module, "logit_scale")
+    text = trace._modules.get(_child(module, "text_projection"))
+    own = torchlens.facets.current_call(module)
+    named = {n: (label, slot) for n, label, slot, _ in torchlens.facets.view.structural_rows(own)}
+    lpi = named.get("logits_per_image")
+    out: dict[str, Any] = {
+        "logits_per_image": spec(home_kind="module_output", home=lpi[0], slot=lpi[1], recipe_id=CONTRASTIVE_ID,
+                                 address=module.address, call=own.call) if lpi is not None else None,
+        "image_features": torchlens.facets.call_output_spec(call, CONTRASTIVE_ID),
+        "image_projection_weight": spec(home_kind="parameter", home=weight[0], recipe_id=CONTRASTIVE_ID,
+                                        grad_capable=False) if weight else None,
+        "text_features": torchlens.facets.call_output_spec(text.calls[0], CONTRASTIVE_ID)
+        if text is not None and len(text.calls) == 1 else None,
+        "pooled_position": torchlens.facets.computed_spec(lambda tr, p=pos: p, (), recipe_id=CONTRASTIVE_ID),
+        "tower_address": torchlens.facets.computed_spec(lambda tr, a=pool.module: a, (), recipe_id=CONTRASTIVE_ID),
+        "logit_scale": spec(home_kind="parameter", home=scale, recipe_id=CONTRASTIVE_ID, grad_capable=False)
+        if scale in trace._params else None,
+    }
+    out.update(_norm_facets(trace, found, CONTRASTIVE_ID))
     return out
 
 
@@ -186,5 +258,5 @@ def language_model_head(module: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["language_model_head", "classification_head", "is_lm_model", "is_classifier_model", "final_norm",
+__all__ = ["language_model_head", "classification_head", "contrastive_image_head", "is_contrastive_model", "is_lm_model", "is_classifier_model", "final_norm",
            "HEAD_FACETS", "CLASSIFIER_FACETS"]
