@@ -54,7 +54,9 @@ def __getattr__(name: str):
     if name in ("patching", "coverage"):
         import importlib
 
-        mod = importlib.import_module(f"torchlens.facets.{name}")
+        # the function `coverage` lives in `_coverage`: a submodule named like the function would
+        # replace it on the package as soon as anything imported that submodule
+        mod = importlib.import_module("torchlens.facets.patching" if name == "patching" else "torchlens.facets._coverage")
         value = mod if name == "patching" else mod.coverage
         globals()[name] = value
         return value
