@@ -9,7 +9,9 @@ output, a mid op), and the MLP for the cone, patch and sweep checks.
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import torchlens as tl  # noqa: E402
 from torchlens.errors import AmbiguousAxisError, InterventionError  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this file
+from jax_test_models import EqxAttentionBlock  # noqa: E402
 from torchlens_jax import zoo as Z  # noqa: E402
 
 X = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
@@ -88,7 +92,7 @@ def flax_block_forward(m, x, head_edit=None):
 
 
 def eqx_block_forward(m, x, head_edit=None):
-    """EqxBlock (unbatched (seq, dim)) by hand; `head_edit` edits
+    """EqxAttentionBlock (unbatched (seq, dim)) by hand; `head_edit` edits
     the (seq, head, dim) attention output before the output projection."""
     a = m.attn
     heads = a.num_heads
@@ -107,32 +111,8 @@ def eqx_block_forward(m, x, head_edit=None):
     return x + _gelu(u) @ m.down.weight.T + m.down.bias
 
 
-class EqxBlock(eqx.Module):
-    """A pre-norm transformer block in equinox (unbatched: (seq, dim)), random init."""
-
-    ln1: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    ln2: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-
-    def __init__(self, dim: int = 16, heads: int = 2, *, key: jax.Array) -> None:
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.ln1 = eqx.nn.LayerNorm(dim)
-        self.attn = eqx.nn.MultiheadAttention(heads, dim, key=k1)
-        self.ln2 = eqx.nn.LayerNorm(dim)
-        self.up = eqx.nn.Linear(dim, 2 * dim, key=k2)
-        self.down = eqx.nn.Linear(2 * dim, dim, key=k3)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.vmap(self.ln1)(x)
-        x = x + self.attn(h, h, h)
-        h = jax.vmap(self.ln2)(x)
-        return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(h)))
-
-
 def _eqx_block():
-    return EqxBlock(key=jax.random.PRNGKey(0)), jnp.sin(jnp.arange(80, dtype=jnp.float32)).reshape(5, 16)
+    return EqxAttentionBlock(key=jax.random.PRNGKey(0)), jnp.sin(jnp.arange(80, dtype=jnp.float32)).reshape(5, 16)
 
 
 def _head_site(t, shape):
