@@ -20,8 +20,6 @@ handle is held, and edits each targeted module call's array outputs as it return
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
 from typing import Any
 
 import jax
@@ -118,9 +116,6 @@ class JaxEditOps:
 
 # module-output edits (bound executor, guarded fast rerun) --------------------------------
 
-_ACTIVE = threading.local()
-
-
 def _edit_leaves(out: Any, fn: Any) -> tuple[Any, int]:
     """Apply `fn` to every array leaf of a module's output pytree; (output, leaves edited)."""
     count = [0]
@@ -142,80 +137,18 @@ def _defining_class(cls: type) -> type | None:
     return None
 
 
-class _Attached:
-    """The patched classes of one `attach_module_edits`; `remove()` restores them."""
-
-    def __init__(self, patched: list[tuple[type, Any]], state: dict) -> None:
-        self._patched = patched
-        self._state = state
-
-    def remove(self) -> None:
-        states = getattr(_ACTIVE, "states", [])
-        if self._state in states:
-            states.remove(self._state)
-        for cls, original in reversed(self._patched):
-            setattr(cls, "__call__", original)
-        self._patched = []
-
-
-def _wrap(original: Any) -> Any:
-    @functools.wraps(original)
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        for state in list(getattr(_ACTIVE, "states", ())):
-            out = state["on_exit"](self, out)
-        return out
-
-    __call__.__torchlens_edit_wrapped__ = True  # type: ignore[attr-defined]
-    return __call__
-
-
-def attach_module_edits(model: Any, modules: list[tuple[str, Any]], rules: list, ops: Any, fired: dict) -> _Attached:
+def attach_module_edits(model: Any, modules: list[tuple[str, Any]], rules: list, ops: Any, fired: dict) -> Any:
     """Edit each targeted module call's array outputs as it returns. `modules` is the
     model's (address, module object) list ("" or "self" for the root); `rules` are
-    (address, call number or None, edit)."""
-    from torchlens.backends.sdk import HookContext, LookupMissError, fire
+    (address, call number or None, edit). The patching is core's `attach_class_edits`."""
+    from torchlens.backends.sdk import attach_class_edits
 
-    addr_of = {id(m): (a or "self") for a, m in modules}
-    known = set(addr_of.values())
-    for address, _call, _edit in rules:
-        if address not in known:
-            raise LookupMissError("label_unknown", f"the model has no module {address!r}",
-                                  remedy="use a module address of the model (trace.modules lists them)", key=address)
-    targeted = {a for a, _c, _e in rules}
-    calls: dict[str, int] = {}
-
-    def on_exit(module: Any, out: Any) -> Any:
-        addr = addr_of.get(id(module))
-        if addr is None or addr not in targeted:
-            return out
-        n = calls[addr] = calls.get(addr, 0) + 1
-        for i, (address, call, edit) in enumerate(rules):
-            if address != addr or (call is not None and call != n):
-                continue
-            ctx = HookContext(f"{addr}:{n}", None, None, ops)
-            out, count = _edit_leaves(out, lambda v, edit=edit, ctx=ctx: fire(edit, v, ctx))
-            if count:
-                fired[i] = fired.get(i, 0) + 1
-        return out
-
-    patched: list[tuple[type, Any]] = []
-    seen: set[type] = set()
+    classes: list[type] = []
     for _a, m in modules:
         cls = _defining_class(type(m))
-        if cls is None or cls in seen:
-            continue
-        seen.add(cls)
-        original = cls.__dict__["__call__"]
-        if getattr(original, "__torchlens_edit_wrapped__", False):
-            continue
-        patched.append((cls, original))
-        setattr(cls, "__call__", _wrap(original))
-    state = {"on_exit": on_exit}
-    if not hasattr(_ACTIVE, "states"):
-        _ACTIVE.states = []
-    _ACTIVE.states.append(state)
-    return _Attached(patched, state)
+        if cls is not None and cls not in classes:
+            classes.append(cls)
+    return attach_class_edits([(a or "self", m) for a, m in modules], rules, ops, fired, classes, _edit_leaves)
 
 
 __all__ = ["JaxEditOps", "attach_module_edits"]

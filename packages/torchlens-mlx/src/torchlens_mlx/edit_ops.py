@@ -9,7 +9,6 @@ draw with the key it consumed at capture passed explicitly (`call`).
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any
 
 import mlx.core as mx
@@ -115,71 +114,19 @@ class MLXEditOps(ReplayOpsBase):
 
 # module-output edits (bound executor, guarded fast rerun) --------------------------------
 
-_ACTIVE = threading.local()
+def _edit_array_output(out: Any, fn: Any) -> tuple[Any, int]:
+    """Edit a module output that is one array; any other output is left as it is."""
+    return (fn(out), 1) if isinstance(out, mx.array) else (out, 0)
 
 
-class _Attached:
-    def __init__(self, patched: list[tuple[type, Any]], state: dict) -> None:
-        self._patched = patched
-        self._state = state
-
-    def remove(self) -> None:
-        states = getattr(_ACTIVE, "states", [])
-        if self._state in states:
-            states.remove(self._state)
-        for cls, original in reversed(self._patched):
-            setattr(cls, "__call__", original)
-        self._patched = []
-
-
-def _wrap(original: Any) -> Any:
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        for state in list(getattr(_ACTIVE, "states", ())):
-            out = state["on_exit"](self, out)
-        return out
-
-    __call__.__torchlens_edit_wrapped__ = True  # type: ignore[attr-defined]
-    return __call__
-
-
-def attach_module_edits(model: Any, modules: list[tuple[str, Any]], rules: list, ops: Any, fired: dict) -> _Attached:
+def attach_module_edits(model: Any, modules: list[tuple[str, Any]], rules: list, ops: Any, fired: dict) -> Any:
     """Edit each targeted module call's array output as it returns (`rules`: (address, call
-    number or None, edit))."""
-    from torchlens.backends.sdk import HookContext, LookupMissError, fire
+    number or None, edit)). The patching is core's `attach_class_edits`."""
+    from torchlens.backends.sdk import attach_class_edits
     from torchlens_mlx.patch import defining_classes
 
-    addr_of = {id(m): a for a, m in modules}
-    known = set(addr_of.values())
-    for address, _call, _edit in rules:
-        if address not in known:
-            raise LookupMissError("label_unknown", f"the model has no module {address!r}",
-                                  remedy="use a module address of the model (trace.modules lists them)", key=address)
-    calls: dict[str, int] = {}
-
-    def on_exit(module: Any, out: Any) -> Any:
-        addr = addr_of.get(id(module))
-        if addr is None:
-            return out
-        n = calls[addr] = calls.get(addr, 0) + 1
-        for i, (address, call, edit) in enumerate(rules):
-            if address == addr and (call is None or call == n) and isinstance(out, mx.array):
-                out = fire(edit, out, HookContext(f"{addr}:{n}", None, None, ops))
-                fired[i] = fired.get(i, 0) + 1
-        return out
-
-    patched: list[tuple[type, Any]] = []
-    for cls in defining_classes([m for _a, m in modules]):
-        original = cls.__dict__["__call__"]
-        if getattr(original, "__torchlens_edit_wrapped__", False):
-            continue
-        patched.append((cls, original))
-        setattr(cls, "__call__", _wrap(original))
-    state = {"on_exit": on_exit}
-    if not hasattr(_ACTIVE, "states"):
-        _ACTIVE.states = []
-    _ACTIVE.states.append(state)
-    return _Attached(patched, state)
+    classes = defining_classes([m for _a, m in modules])
+    return attach_class_edits(modules, rules, ops, fired, classes, _edit_array_output)
 
 
 __all__ = ["MLXEditOps", "attach_module_edits"]

@@ -98,6 +98,7 @@ _LAZY = {
     "NumpyEditOps": "torchlens.intervention.numpy_ops:NumpyEditOps",
     "HookContext": "torchlens.intervention.edits:HookContext",
     "fire": "torchlens.intervention.edits:fire",
+    "attach_class_edits": "torchlens.intervention.class_edits:attach_class_edits",
     "changed_params": "torchlens.replay.params:changed_params",
     "param_addresses": "torchlens.replay.params:param_addresses",
     "refuse_unreplayable": "torchlens.replay.preconditions:refuse_unreplayable",
