@@ -23,6 +23,24 @@ _FRAMEWORKS = {"torch", "jax", "jaxlib", "flax", "equinox", "tensorflow", "paddl
                "torchlens_tinygrad", "torchlens_reference", "graphviz", "pandas"}
 
 
+def _load_paddle_before_tensorflow() -> None:
+    """paddlepaddle 3.3's native core crashes the process (SIGSEGV) when it is loaded after
+    tensorflow 2.21's; loaded first, both work. The suite imports both in one process, so
+    when both are installed paddle is loaded here, before any test can load tensorflow.
+    (The paddle backend refuses typed, `runtime_conflict`, instead of crashing a user's
+    process; see docs/backends/paddle.md.)"""
+    import importlib.util
+
+    if importlib.util.find_spec("paddle") and importlib.util.find_spec("tensorflow"):
+        import sys
+
+        if "tensorflow" not in sys.modules:
+            import paddle  # noqa: F401
+
+
+_load_paddle_before_tensorflow()
+
+
 #: TorchLens refusal codes that mean "the backend this block needs is not installed here".
 _MISSING_BACKEND_CODES = {"runtime_missing"}
 

@@ -24,7 +24,17 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
     echo "setup: chromium not found; install it for the notebook browser test (apt-get install chromium)" >&2
   fi
 fi
-MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference packages/torchlens-mlx packages/torchlens-recipes-example conformance"
+# tinygrad's CPU device compiles kernels with clang (without it the tinygrad tests use its
+# pure-Python device and say so).
+if ! command -v clang >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -q && apt-get install -y -q clang) >/dev/null 2>&1 \
+      || echo "setup: could not install clang (tinygrad falls back to its Python device)" >&2
+  else
+    echo "setup: clang not found; install it for tinygrad's CPU device (apt-get install clang)" >&2
+  fi
+fi
+MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference packages/torchlens-mlx packages/torchlens-recipes-example packages/torchlens-mechinterp conformance"
 stamp=.venv/.torchlens-setup
 want=$(cat constraints.txt requirements-dev.txt requirements-vision.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -702,6 +702,25 @@ _register("ArtifactError", {
 })
 
 
+# --- area: mechinterp kit (issue 16: the kit's mi_* refusals; the kit lives in torchlens-mechinterp) ---
+class MechInterpError(TorchLensError, ValueError):
+    """A mech-interp kit refusal (`mi_*`): the model, trace or arguments do not support the
+    requested analysis; nothing was mutated, and the remedy names what would."""
+
+
+# --- area: mechinterp kit part 1a (residual decomposition, DLA, heads, circuits, neurons, retention) ---
+
+# --- area: mechinterp kit part 1b (head scores, prompts, aliases, patch grids) ---
+
+# --- area: tf backend (issue 19) ---
+
+# --- area: paddle backend (issue 20) ---
+
+# --- area: tinygrad backend (issue 21) ---
+
+# --- area: recording (issue 22: tl.record, Recorder, generation recording) ---
+
+
 def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:
     """Register further codes (used by `tl.backends` for the refusal codes)."""
     _register(cls_name, codes)
