@@ -35,7 +35,11 @@ def _load_paddle_before_tensorflow() -> None:
         import sys
 
         if "tensorflow" not in sys.modules:
-            import paddle  # noqa: F401
+            import warnings
+
+            with warnings.catch_warnings():  # paddle's "No ccache found" notice at import
+                warnings.filterwarnings("ignore", message=".*ccache.*")
+                import paddle  # noqa: F401
 
 
 _load_paddle_before_tensorflow()

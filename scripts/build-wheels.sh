@@ -44,13 +44,14 @@ if ! "$PYTHON" -c "import setuptools, wheel" 2>/dev/null; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The meta-distribution (repository root) and every member distribution.
-MEMBERS=". packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-mlx packages/torchlens-reference conformance"
+MEMBERS=". packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-mlx packages/torchlens-tf packages/torchlens-paddle packages/torchlens-tinygrad packages/torchlens-mechinterp packages/torchlens-reference conformance"
 # Build from a copy of each member's sources: setuptools writes build/ and *.egg-info next to
 # the sources, which must not land in the working tree (and must not leak between members).
 STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 for m in $MEMBERS; do
   src="$ROOT/$m"
+  [ -f "$src/pyproject.toml" ] || { echo "build-wheels: $m is not in this checkout; skipped" >&2; continue; }
   dst="$STAGE/$(echo "$m" | tr '/.' '__')"
   mkdir -p "$dst"
   if [ "$m" = "." ]; then

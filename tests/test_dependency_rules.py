@@ -52,7 +52,7 @@ def backend_violations(pkg_dir: Path, own: str) -> list[str]:
 
 #: Backends that import core only through `torchlens.backends.sdk` (issue 14): all of them; a new
 #: backend starts here.
-SDK_ONLY_BACKENDS = ("torchlens_jax", "torchlens_mlx", "torchlens_reference", "torchlens_torch")
+SDK_ONLY_BACKENDS = ("torchlens_jax", "torchlens_mlx", "torchlens_paddle", "torchlens_reference", "torchlens_tf", "torchlens_tinygrad", "torchlens_torch")
 SDK_ALLOWED = {"torchlens", "torchlens.backends.sdk"}
 
 
@@ -90,6 +90,10 @@ CORE_LAYER_ALLOWED: dict[str, set[str]] = {
     "stats": {"errors", "__version__"},  # the saved state names the writing version
     "dataset_extraction": {"errors", "stats", "capture", "options", "backends", "select"},
     "backends": {"errors", "types", "plugins"},
+    # issue 22: tl.record runs each forward through tl.trace's capture path (capture), keeps records (records,
+    # build.save), resolves backends (backends) and stop_after= edits (intervention, select)
+    "recording": {"errors", "types", "options", "records", "build", "select", "capture", "backends", "intervention"},
+    "distributed": {"errors", "io", "backends"},  # issue 24: merge loads traces (io), arm() finds the backend
 }
 #: (layer, file) pairs whose upward imports are deliberate facades: the backend SDK re-exports
 #: what backends need; `tl.stats.aggregate` (the spec's home for it) delegates to the extraction

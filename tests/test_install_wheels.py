@@ -90,8 +90,9 @@ def test_documented_install_lines_work_in_fresh_venvs(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     _run(["bash", str(ROOT / "scripts" / "build-wheels.sh"), *build_args, "--deps-dir", str(cache)], env=env)
     built = sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl"))
-    assert built == ["torchlens", "torchlens_conformance", "torchlens_core", "torchlens_jax", "torchlens_mlx",
-                     "torchlens_reference", "torchlens_torch"]
+    assert built == ["torchlens", "torchlens_conformance", "torchlens_core", "torchlens_jax", "torchlens_mechinterp",
+                     "torchlens_mlx", "torchlens_paddle", "torchlens_reference", "torchlens_tf", "torchlens_tinygrad",
+                     "torchlens_torch"]
 
     # Every module of every member's source tree is in its wheel (nothing filtered out by the build).
     for member, wheel_name in [("packages/torchlens-core", "torchlens_core"), ("packages/torchlens-torch", "torchlens_torch"),

@@ -195,3 +195,80 @@ def test_head_edit_through_do_on_the_replay_engine_and_clear_edits_drops_its_wri
     other.clear_edits()
     assert not other._facet_writes
     other.do(tl.facet("q").in_module(site), tl.scale(2.0), intervention=tl.InterventionOptions(engine="set_only"))
+
+
+def _hooked_many(model, zeroed: dict, ids):
+    """Logits with forward hooks zeroing `cols` of each module's output ({module: cols})."""
+    def hook(m, args, out):
+        out = out.clone()
+        out[..., zeroed[m]] = 0
+        return out
+
+    handles = [m.register_forward_hook(hook) for m in zeroed]
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_a_union_of_head_selectors_on_one_home_equals_a_forward_hook_doing_both():
+    """GPT-2: q head 1 | v head 2 both live in c_attn's output: one do() writes both slices."""
+    model, ids = _gpt2("eager"), _ids()
+    log = tl.trace(model, ids)
+    site = "transformer.h.0.attn"
+    both = tl.head(1, "q") | tl.head(2, "v")
+    assert repr(both) == "(tl.head(1, 'q') | tl.head(2, 'v'))"
+    edited = _do_facet(log.fork("union"), both.in_module(site), tl.zero_ablate(), model, ids)
+    cols = torch.zeros(96, dtype=torch.bool)
+    cols[8:16] = True  # q head 1
+    cols[64 + 16:64 + 24] = True  # v head 2
+    want = _hooked_many(model, {model.transformer.h[0].attn.c_attn: cols}, ids)
+    assert torch.equal(_logits(edited), want)
+    only_q = _do_facet(log.fork("q"), tl.head(1, "q").in_module(site), tl.zero_ablate(), model, ids)
+    assert not torch.equal(_logits(only_q), want)  # the v write counted
+    replayed = log.fork("replayed").do((tl.module(site) & tl.head(1, "q")) | tl.head(2, "v").in_module(site),
+                                       tl.zero_ablate())  # no model: the replay engine
+    assert torch.allclose(_logits(replayed), want, atol=1e-6)
+
+
+def test_a_union_of_facets_on_separate_homes_equals_a_forward_hook_doing_both():
+    """LLaMA: all of q | all of k (q_proj and k_proj outputs), and head unions over them."""
+    model, ids = _llama("eager"), _ids()
+    log = tl.trace(model, ids)
+    at = model.model.layers[1].self_attn
+    site = "model.layers.1.self_attn"
+    edited = _do_facet(log.fork("qk"), (tl.facet("q") | tl.facet("k")).in_module(site), tl.zero_ablate(), model, ids)
+    want = _hooked_many(model, {at.q_proj: slice(None), at.k_proj: slice(None)}, ids)
+    assert torch.equal(_logits(edited), want)
+    heads = (tl.facet("q") | tl.facet("v")).head(1).in_module(site)  # .head distributes over the members
+    assert heads == (tl.head(1, "q") | tl.head(1, "v")).in_module(site)
+    with pytest.raises(tl.errors.FacetError) as exc:  # v head 1 of a GQA model aliases a shared K/V head
+        _do_facet(log.fork("alias"), heads, tl.zero_ablate(), model, ids)
+    assert exc.value.code == "facet_write_refused"
+    twice = tl.head(2, "q").in_module(site) | tl.head(2, "q").in_module(site)  # one slice named twice: written once
+    edited = _do_facet(log.fork("twice"), twice, tl.zero_ablate(), model, ids)
+    assert torch.equal(_logits(edited), _hooked_many(model, {at.q_proj: slice(16, 24)}, ids))
+
+
+def test_facet_unions_refuse_plain_selectors_overlaps_and_op_resolution():
+    model, ids = _gpt2("eager"), _ids()
+    log = tl.trace(model, ids)
+    site = "transformer.h.0.attn"
+    for make in (lambda: tl.facet("q") | tl.module(site), lambda: tl.module(site) | tl.facet("q"),
+                 lambda: tl.func("relu") | (tl.facet("q") | tl.facet("k"))):
+        with pytest.raises(tl.errors.SelectorCompositionError) as exc:
+            make()
+        assert exc.value.code == "facet_selector_unsupported"
+    with pytest.raises(tl.errors.SelectorCompositionError) as exc:
+        log[tl.facet("q") | tl.facet("k")]
+    assert exc.value.code == "facet_selector_unsupported"
+    fork = log.fork("overlap")
+    with pytest.raises(tl.errors.FacetError) as exc:  # all of q covers q head 1: refused before staging
+        fork.do((tl.facet("q") | tl.head(1, "q")).in_module(site), tl.zero_ablate(), model=model, inputs=ids)
+    assert exc.value.code == "facet_write_overlap"
+    assert fork.is_pristine and not fork._facet_writes
+    with pytest.warns(tl.errors.FacetWarning) as rec:  # unscoped members fan out over both layers
+        lower_facet(log.fork("fan"), tl.head(1, "q") | tl.head(2, "k").in_module(site), tl.zero_ablate())
+    assert rec[0].message.fields["site_count"] == 2

@@ -128,3 +128,29 @@ def test_names_are_recorded_only_for_containers(captured):
     log, _ = captured
     names = log.annotations["module_output_names"]
     assert "lin:1" not in names and "lstm:1" in names
+
+
+class NamedNest(nn.Module):
+    def forward(self, x):
+        return {"enc": (x + 1, x - 1), "keys": x * 2}
+
+
+def test_typed_paths_of_field_names(captured):
+    """A tuple path of field names (and positions under a field) names the same leaf as its
+    string name; a name that collides with a FacetView method (`keys`) reads by path too."""
+    log, seen = captured
+    lstm = log.modules["lstm"].facets
+    assert torch.equal(lstm[("h_n",)].value, seen["lstm"][1][0])
+    assert torch.equal(lstm[("output",)].value, seen["lstm"][0])
+    assert torch.equal(log.modules["topk"].facets[("indices",)].value, seen["topk"].indices)
+    assert torch.equal(log.modules["dicty"].facets[["hidden"]].value, seen["dicty"]["hidden"])
+
+    x = torch.randn(2, 3)
+    nest = tl.trace(NamedNest(), x).modules["self"].facets
+    assert nest.keys() == ["enc.0", "enc.1", "keys"]
+    assert torch.equal(nest[("enc", 1)].value, x - 1) and torch.equal(nest[("keys",)].value, x * 2)
+    assert torch.equal(nest[(0, 0)].value, x + 1)  # positions still resolve
+    for bad in [("enc", 2), ("nope",), (), (1.5,), (True,)]:
+        with pytest.raises(FacetLookupError) as exc:
+            nest[bad]
+        assert exc.value.code == "facet_unknown" and isinstance(exc.value, KeyError), bad

@@ -16,7 +16,7 @@ import torchlens as tl
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers next to this file
-from facet_models import gpt2 as _gpt2, ids as _ids, llama as _llama  # noqa: E402
+from facet_models import family as _model_of, gpt2 as _gpt2, ids as _ids, llama as _llama  # noqa: E402
 
 
 def _hooked(model, modules: dict[str, torch.nn.Module], ids):
@@ -162,70 +162,6 @@ def test_parallel_block_has_no_resid_mid():
     assert exc.value.code == "facet_structurally_absent"
 
 
-def _family(name: str, attn: str = "eager"):
-    """A 1-2 layer random-init model of family `name` and its token ids (no download)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=64, max_position_embeddings=32, attn_implementation=attn)
-    if name == "mistral":
-        cfg = tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=2, **common)
-        return tf.MistralForCausalLM(cfg).eval()
-    if name == "qwen2":
-        cfg = tf.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                             num_key_value_heads=2, **common)
-        return tf.Qwen2ForCausalLM(cfg).eval()
-    if name == "phi3":
-        cfg = tf.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, pad_token_id=0, **common)
-        return tf.Phi3ForCausalLM(cfg).eval()
-    if name == "opt":
-        cfg = tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
-                           word_embed_proj_dim=32, pad_token_id=0, **common)
-        return tf.OPTForCausalLM(cfg).eval()
-    if name == "gpt_neox":
-        cfg = tf.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                               use_parallel_residual=True, **common)
-        return tf.GPTNeoXForCausalLM(cfg).eval()
-    if name == "bert":
-        cfg = tf.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, **common)
-        return tf.BertModel(cfg).eval()
-    raise KeyError(name)
-
-
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("name", ["mistral", "qwen2", "phi3", "opt", "gpt_neox", "bert"])
-def test_attention_facets_agree_with_the_projections_and_each_other(name, attn):
-    """q/k/v equal the projection modules' outputs seen by forward hooks (cut to heads); the
-    pattern's rows sum to 1; z equals pattern @ v (grouped heads repeat-interleaved); the
-    per-head result (validated on read against the output projection) sums back to it."""
-    model = _family(name, attn)
-    ids = _ids()
-    log = tl.trace(model, ids)
-    blocks = log.attention_blocks()
-    assert blocks, name
-    f = blocks[0].facets
-    B, T = ids.shape
-    q, k, v, pattern, z = (f[n].value for n in ("q", "k", "v", "pattern", "z"))
-    H, D, Hkv = q.shape[-2], q.shape[-1], k.shape[-2]
-    assert q.shape == (B, T, H, D) and k.shape == (B, T, Hkv, D) and v.shape == (B, T, Hkv, D)
-    assert torch.allclose(pattern.sum(-1), torch.ones(B, H, T), atol=1e-5)
-    v_rep = v.repeat_interleave(H // Hkv, dim=2)
-    assert torch.allclose(z, torch.einsum("bhqk,bkhd->bqhd", pattern, v_rep), atol=1e-5)
-    mods = dict(model.named_modules())
-    spec = f["q"].spec
-    if len(spec.chain) == 1:  # a separate q projection: q is its output viewed as heads
-        seen, _ = {}, None
-        h = mods[spec.address].register_forward_hook(lambda m, a, o: seen.setdefault("q", o))
-        with torch.no_grad():
-            model(ids)
-        h.remove()
-        assert torch.allclose(q, seen["q"].reshape(B, T, H, D), atol=1e-6)
-    if "result" in f:
-        assert f["result"].value.shape == (B, T, H, f["result"].value.shape[-1])
-
-
 def test_builtin_recipes_load_on_first_facet_use_not_at_import_or_capture():
     import subprocess
     import sys
@@ -273,48 +209,10 @@ def test_multihead_attention_facets_equal_a_hand_computation():
     assert torch.allclose(result.sum(-2) + mha.out_proj.bias, out, atol=1e-5)
 
 
-def _encoder_family(name: str):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    if name == "t5":
-        cfg = tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4, vocab_size=64,
-                          decoder_start_token_id=0, attn_implementation="eager")
-        return tf.T5ForConditionalGeneration(cfg).eval(), (_ids(),), {"decoder_input_ids": _ids(3)}
-    if name == "vit":
-        cfg = tf.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                           image_size=16, patch_size=8, num_channels=3)
-        return tf.ViTModel(cfg).eval(), (torch.randn(2, 3, 16, 16),), {}
-    if name == "clip":
-        text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=64,
-                    max_position_embeddings=16)
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
-                      patch_size=8)
-        cfg = tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
-        return tf.CLIPModel(cfg).eval(), (), {"input_ids": _ids(5), "pixel_values": torch.randn(2, 3, 16, 16)}
-    raise KeyError(name)
-
-
-@pytest.mark.parametrize("name", ["t5", "vit", "clip"])
-def test_encoder_family_attention_facets_are_consistent(name):
-    model, args, kwargs = _encoder_family(name)
-    log = tl.trace(model, *args, input_kwargs=kwargs)
-    blocks = log.attention_blocks()
-    assert len(blocks) >= (3 if name == "t5" else 2 if name == "clip" else 1)
-    for block in blocks:
-        f = block.facets
-        q, k, v, pattern, z = (f[n].value for n in ("q", "k", "v", "pattern", "z"))
-        B, T, H, D = q.shape
-        assert torch.allclose(pattern.sum(-1), torch.ones(B, H, T), atol=1e-5), block.address
-        assert torch.allclose(z, torch.einsum("bhqk,bkhd->bqhd", pattern, v), atol=1e-5), block.address
-        if "result" in f:
-            f["result"].value  # validated on read against the output projection
-
-
 def test_t5_block_residual_facets_equal_forward_hooks():
     """T5's residual adds live in per-sublayer wrappers: the block still gets resid_pre /
     resid_mid / resid_post, and the wrappers are not reported as blocks of their own."""
-    model, args, kwargs = _encoder_family("t5")
+    model, args, kwargs = _model_of("t5")
     blk = model.encoder.block[0]
     seen, _ = {}, None
     h1 = blk.register_forward_hook(lambda m, a, kw, o: seen.update(pre=kw.get("hidden_states", a[0] if a else None),

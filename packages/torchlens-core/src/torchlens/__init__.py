@@ -78,11 +78,16 @@ _LAZY = {
     "fingerprint": "torchlens.fingerprint",
     "stats": "torchlens.stats",  # issue 23
     "dataset_extraction": "torchlens.dataset_extraction",  # issue 23
+    "recording": "torchlens.recording",  # issue 22
+    "distributed": "torchlens.distributed",  # issue 24
 }
 #: public classes that load their module on first use: name -> (module, attribute)
-_LAZY_ATTRS = {"Bundle": ("torchlens.bundle", "Bundle")}
+_LAZY_ATTRS = {"Bundle": ("torchlens.bundle", "Bundle"), "record": ("torchlens.recording", "record")}  # record: issue 22
 _LAZY_ATTRS.update({  # issue 23: extraction helpers
     n: ("torchlens.dataset_extraction", n) for n in ("pluck", "extract", "extract_dataset", "LoadedExtraction", "ExtractionReader")})
+
+
+_LAZY_ATTRS.update({n: ("torchlens.distributed", n) for n in ("merge_ranks", "merge_report")})  # issue 24
 
 
 def load(path: Any, lazy: bool = False) -> Any:
@@ -126,5 +131,5 @@ __all__ = [
     "patch_from", "swap_with", "subspace", "units", "sweep", "positions", "Edit", "splice_module", "errors", "options", "hookimpl",
     "Trace", "Op", "Layer", "Module", "ModuleCall", "Param", "Buffer",
     "Selection", "Selector", "func", "grad", "module", "in_module", "label", "label_contains", "label_matches", "where",
-    "model_input", "model_output", "all_sites", "__version__", "facet", "head", "Bundle",
+    "model_input", "model_output", "all_sites", "__version__", "facet", "head", "Bundle", "record",
 ]

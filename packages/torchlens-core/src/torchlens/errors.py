@@ -26,6 +26,7 @@ __all__ = [
     "BackendUnsupportedError",
     "ValidationError",
     "ArtifactError",
+    "RecordingError",
     "render_error_codes_markdown",
 ]
 
@@ -607,7 +608,13 @@ class LogitLensError(TorchLensError, ValueError):
     reproduce the captured logits on the last layer (experimental)."""
 
 
-__all__ += ["FacetError", "FacetLookupError", "MissingFacetError", "FacetWarning", "LogitLensError"]
+class LogitLensWarning(TorchLensError, UserWarning):
+    """A warning, not raised: a user lens records no model identity (or one that cannot be
+    compared) and does not reproduce the captured logits on the last layer (experimental)."""
+
+
+__all__ += ["FacetError", "FacetLookupError", "MissingFacetError", "FacetWarning", "LogitLensError",
+            "LogitLensWarning"]
 _register("LogitLensError", {
     "logit_lens_head_unavailable": "no language-model head recipe (with a structurally found final norm) matched "
                                    "the trace, or several did",
@@ -618,6 +625,12 @@ _register("LogitLensError", {
                                          "token-id tensor",
     "logit_lens_layer_outside_head": "modules= names a block outside the tower the head reads (a CLIP text-tower "
                                      "block for the image head)",
+    "logit_lens_identity_mismatch": "a user lens's measured model_identity differs from the traced model's "
+                                    "(verify=False runs it anyway)",
+})
+_register("LogitLensWarning", {
+    "logit_lens_identity_unrecorded": "a user lens with no comparable model_identity does not reproduce the captured "
+                                      "logits on the last layer (fields: max_abs_error, top1_agreement)",
 })
 _register("FacetWarning", {
     "facet_recipe_collision": "two same-tier recipes declare one facet name for a module; the later one is used",
@@ -705,20 +718,176 @@ _register("ArtifactError", {
 # --- area: mechinterp kit (issue 16: the kit's mi_* refusals; the kit lives in torchlens-mechinterp) ---
 class MechInterpError(TorchLensError, ValueError):
     """A mech-interp kit refusal (`mi_*`): the model, trace or arguments do not support the
-    requested analysis; nothing was mutated, and the remedy names what would."""
+    requested analysis; nothing was mutated, and the remedy names what would. As the kit's
+    refusal contract says, the code is also `fields["code"]`."""
+
+    def __init__(self, code: str, message: str = "", *, remedy: str = "", **fields: Any) -> None:
+        super().__init__(code, message, remedy=remedy, **fields)
+        self.fields["code"] = code
 
 
 # --- area: mechinterp kit part 1a (residual decomposition, DLA, heads, circuits, neurons, retention) ---
+_register("MechInterpError", {
+    "mi_payloads_missing": "a kit function needs payloads the trace did not save; the refusal lists the COMPLETE "
+                           "missing-site set (retention_plan prices it and builds the save= list)",
+    "mi_lm_head_unavailable": "no language-model head with a structurally found final norm (or several) in the "
+                              "trace, so the residual stream's end is not known",
+    "mi_residual_rescaled": "the residual stream is not a plain sum of writers: a step rescales or mixes it, so "
+                            "partial sums cannot replay the forward",
+    "mi_residual_hop_unverified": "a value-preserving hop on the residual spine (view, to, clone, ...) changed the "
+                                  "payload, so the walk cannot cross it",
+    "mi_residual_open": "the strict walk did not close: a partial sum differs from the captured spine state under "
+                        "torch.equal (strict=False returns a diagnostic stack with an unresolved_remainder row)",
+    "mi_stack_open": "a ComponentStack was asked to construct with grade 'open' or an unknown grade; OPEN never "
+                     "constructs",
+    "mi_stack_diagnostic_only": "a diagnostic-only stack (strict=False, with an unresolved_remainder row) was "
+                                "passed where a verified stack is required",
+    "mi_dla_identity_failed": "the identity sum(rows) + constant == the captured native logit failed the "
+                              "per-element budget (the worst element is named)",
+    "mi_dla_token_invalid": "answer= / vs= is not a token id (or a list of them) inside the unembedding's "
+                            "vocabulary, or their lengths differ",
+    "mi_dla_grain_invalid": "grain= is not 'layer' or 'head'",
+    "mi_dla_rows_invalid": "rows= names a component that is not a row of the table at this grain",
+    "mi_stack_mismatch": "stack= does not decompose this trace's final-norm input (its rows do not sum to the "
+                         "captured value under torch.equal): it belongs to another trace or target",
+    "mi_position_invalid": "position= is not an int inside the sequence (or None for every position)",
+    "mi_not_attention": "the module address names no attention block an attention recipe matched",
+    "mi_head_result_unverified": "the per-head result rows plus the output bias do not reproduce the attention "
+                                 "writer within its budget",
+    "mi_head_weights_unresolved": "the head weight views cannot be derived: an unknown projection class, a "
+                                  "projection without one weight, or no slice evidence for a fused QKV",
+    "mi_not_mlp": "the module address names no MLP with one output projection (a linear / Conv1D child)",
+    "mi_neuron_index_invalid": "neurons= names an index outside the MLP's hidden width, or repeats one",
+    "mi_neuron_identity_failed": "per-neuron rows plus the bias constant do not reproduce the MLP's captured "
+                                 "output within its budget",
+    "mi_retention_function_unknown": "retention_plan was asked for a function that is not a kit trace function",
+})
+
 
 # --- area: mechinterp kit part 1b (head scores, prompts, aliases, patch grids) ---
+_register("MechInterpError", {
+    "mi_period_invalid": "FixedPeriodInduction(period=...) was given a period that is not a positive int",
+    "mi_head_scores_kind_unknown": "head_scores kind= is not 'previous_token', 'duplicate_token', 'induction' or a "
+                                   "FixedPeriodInduction",
+    "mi_head_scores_setting_invalid": "a head_scores setting is not a bool, or does not apply to the kind",
+    "mi_period_no_queries": "a FixedPeriodInduction score found a batch row with no query whose token repeats at "
+                            "the period: nothing to score",
+    "mi_no_attention": "the trace (or model) has no attention module call an attention recipe describes",
+    "mi_tokens_unavailable": "the function needs token ids and the trace kept no integer token input",
+    "mi_tokens_mismatched": "the token ids given do not match the captured sequence's [batch, pos] shape",
+    "mi_head_counts_differ": "attention calls have different head counts, so no [layer, head] table exists",
+    "mi_facet_absent": "an attention call declares no such facet (no recipe produced it for this attention)",
+    "mi_facet_needs_capture": "a facet the function reads is declared but not readable in this capture (e.g. SDPA "
+                              "without CaptureOptions(save_args=True))",
+    "mi_tokenizer_invalid": "the tokenizer is not an object with encode(text) -> ids and decode(ids) -> text",
+    "mi_prompt_invalid": "the prompt or answer is empty, not text / token ids, or the answer tokenizes to nothing",
+    "mi_bos_policy_invalid": "prepend_bos= is not True, False or None, or BOS is asked for and the tokenizer has no "
+                             "bos_token_id",
+    "mi_logits_unavailable": "the model's output holds no [batch, pos, vocab] logits the prompt can be scored on",
+    "mi_alias_unknown": "the alias is no spelling of the named generation (TransformerLens 2.x/3.x/4.x, nnterp, "
+                        "interp-engine)",
+    "mi_alias_generation_unknown": "generation= is not 'tl2', 'tl3', 'tl4', 'nnterp', 'interp-engine' or None",
+    "mi_alias_unresolved": "the alias is real for this model family but its native coordinate is not in the trace",
+    "mi_patch_preset_unknown": "patch_grid preset= names no preset",
+    "mi_patch_engine_reserved": "patch engine='replay' is reserved (not built); patch grids run on the live-hook "
+                                "rerun route",
+    "mi_patch_setting_invalid": "a patch grid setting is invalid (budget not a positive int, heads / positions out "
+                                "of range, site not 'k' or 'v', a non-callable metric)",
+    "mi_patch_site_unwritable": "a patch grid cell's site is read-only (a computed or aliasing facet: fused SDPA "
+                                "pattern, a grouped K/V head read through a query head)",
+    "mi_patch_budget_exceeded": "the grid's disclosed cost (forward runs) exceeds budget=; nothing ran",
+    "mi_patch_inputs_mismatched": "clean and corrupted inputs trace to different graphs or shapes, so their sites "
+                                  "cannot be paired",
+    "mi_patch_metric_invalid": "the metric did not return one finite scalar",
+    "mi_patch_hook_not_fired": "a patch cell's hook fired zero times (or more than once) on the patched rerun: the "
+                               "cell is an exception, never a number",
+    "mi_patch_head_unsupported": "patch_head cannot lower the head edit: no single post-projection op found "
+                                 "downstream of the fused attention kernel",
+    "mi_facet_invalidated": "a facet the patch_head edit invalidated was read on the patched rerun",
+    "mi_kv_expansion_unavailable": "grouped-query K/V are expanded inside a fused kernel (SDPA enable_gqa): there "
+                                   "is no expansion op to patch one query head's copy at",
+    "mi_kv_expansion_ambiguous": "several candidate K/V expansion ops in one attention call: the query-head copy to "
+                                 "patch is ambiguous",
+    "mi_kv_heads_not_grouped": "query and key/value head counts are equal: there is no grouped K/V to expand",
+})
 
 # --- area: tf backend (issue 19) ---
+# (tf_stateful_op_unsupported is in the backend refusal vocabulary, torchlens/backends/codes.py)
 
 # --- area: paddle backend (issue 20) ---
+# (runtime_conflict is in the backend refusal vocabulary, torchlens/backends/codes.py)
 
 # --- area: tinygrad backend (issue 21) ---
 
 # --- area: recording (issue 22: tl.record, Recorder, generation recording) ---
+class RecordingError(TorchLensError, ValueError):
+    """A `tl.record` / `tl.recording` refusal: the recording cannot answer or the request is
+    outside what the recorder supports; nothing was mutated. `partial_recording` holds a
+    failed partial Recording when `on_forward_error="attach_partial"` attached one."""
+
+    def __init__(self, code: str, message: str = "", *, remedy: str = "", partial_recording: Any = None,
+                 **fields: Any) -> None:
+        super().__init__(code, message, remedy=remedy, **fields)
+        self.partial_recording = partial_recording
+
+
+_register("RecordingError", {
+    "recording_pass_missing": "a Recording was asked for a pass number it does not hold",
+    "recording_site_missing": "a Recording pass holds no site of that name (it never ran there)",
+    "recording_lean_omitted": "a read needs the full event journal, which a lean recording pass did not keep",
+    "recording_failed_partial": "a failed partial Recording was passed to to_trace(), backward() or a verb built on "
+                                "them (the capture-outcome error)",
+    "recording_forward_failed": "the recorded forward raised; exc.partial_recording holds the prefix with "
+                                "on_forward_error='attach_partial'",
+    "recording_backward_not_requested": "Recording.backward() on a recording made without gradient hooks "
+                                        "(backward_ready=, save_grads= or default_grad=)",
+    "recording_backward_inference_only": "Recording.backward() on a recording whose forward ran without grad",
+    "record_episode_unsupported": "tl.record(..., episode=): episode capture runs on tl.trace",
+    "record_option_unsupported": "a tl.record keyword this recorder does not support yet (the message names it)",
+    "backward_ready_conflict": "tl.record got detach_saved_activations=True together with backward_ready=True",
+    "record_generation_unsupported": "generation recording does not support this generate() configuration (the reason "
+                                     "field names it)",
+    "record_generation_step_missing": "a GenerationRecording has no such step, position or series",
+    "record_generation_reducer_invalid": "a generation reducer raised, returned a non-tensor or a wrong first axis, "
+                                         "or named a site or KV layer the forward lacks",
+    "record_generation_options_invalid": "a malformed GenerationOptions, or generation= without generate_kwargs=",
+    "record_generation_budget_exceeded": "the generation's retained bytes, projected after the first decode step, "
+                                         "exceed GenerationOptions(max_saved_bytes=)",
+})
+_register("PayloadUnavailableError", {
+    "output_capture_stopped": "stop_after= ended the capture before the model returned",
+})
+
+
+# --- area: distributed (issue 24: tl.distributed arming, collective boundary ops, merge_ranks) ---
+_register("BackendUnsupportedError", {
+    "distributed_unavailable_runtime": "tl.distributed.arm() in a process whose framework has no distributed "
+                                       "package (torch.distributed.is_available() is False)",
+    "distributed_sharded_state_unsupported": "a capture saw sharded state (DTensor or FSDP-sharded parameters): a "
+                                             "rank-local shard is not captured; refused at capture entry",
+    "distributed_wrapper_unsupported": "a capture of a DistributedDataParallel wrapper: capture wrapper.module "
+                                       "instead (the same forward; DDP's gradient all-reduce runs in backward)",
+    "distributed_collective_unsupported": "a torch.distributed call during an armed capture in a form the recorder "
+                                          "does not record (the message names it); refused instead of dropping it",
+})
+_register("ArtifactError", {
+    "merge_artifact_tampered": "a rank trace's collective boundary record does not match its own saved values or "
+                               "its collective_boundary_v1 schema (edited after capture)",
+    "merge_run_mismatch": "merge_ranks got rank traces from different runs (their run ids differ)",
+    "merge_duplicate_rank": "merge_ranks got two traces of the same global rank",
+    "merge_boundary_unmatched": "a collective boundary op has no matching op on a member rank given to merge_ranks "
+                                "(a rank is missing or the ranks ran different collectives)",
+    "distributed_scope_invalid": "a trace's provenance distributed_scope is outside its closed vocabulary (None, "
+                                 "'rank_local_shard')",
+    "merge_boundary_mismatch": "matched boundary ops disagree on kind, reduce op, geometry or values (the "
+                               "verdict names the field)",
+})
+_register("InvalidArgumentError", {
+    "merge_input_invalid": "merge_ranks / merge_report got something other than a non-empty list of traces or "
+                           "saved trace paths, or a trace captured without tl.distributed arming",
+    "merge_output_ambiguous": "MergedTrace.output: the ranks whose outputs depend on every rank's inputs "
+                              "returned different values",
+})
 
 
 def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:

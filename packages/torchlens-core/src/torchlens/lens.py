@@ -204,17 +204,109 @@ def _blocks(trace: Any, facet: str, modules: Any) -> list[Any]:
     return found
 
 
+def _kept(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """`x` cut to the positions a `logits_to_keep`-sliced capture `y` kept (HF keeps the last
+    n positions: `[batch, n, vocab]` out of `[batch, pos, vocab]`); `x` unchanged otherwise."""
+    if x.ndim == y.ndim >= 3 and x.shape[0] == y.shape[0] and x.shape[2:] == y.shape[2:] \
+            and 0 < y.shape[1] < x.shape[1]:
+        return x[:, x.shape[1] - y.shape[1]:]
+    return x
+
+
+def _kept_note(projected: Any, captured: Any) -> str:
+    """The remedy's first words when the capture kept fewer positions than it projected."""
+    a, b = tuple(getattr(projected, "shape", ())), tuple(getattr(captured, "shape", ()))
+    if len(a) == len(b) >= 3 and b[1] < a[1]:
+        return (f"the capture kept {b[1]} of {a[1]} positions (logits_to_keep); the lens checks the last {b[1]}, so a "
+                "logits_to_keep of other positions cannot be validated; otherwise ")
+    return ""
+
+
 def _close(a: Any, b: Any) -> tuple[bool, float]:
     x, y = _np(a).astype(np.float64), _np(b).astype(np.float64)
+    x = _kept(x, y)
     if x.shape != y.shape:
         return False, float("inf")
     err = float(np.max(np.abs(x - y))) if x.size else 0.0
     return bool(np.allclose(x, y, rtol=1e-4, atol=1e-4)), err
 
 
+def model_identity(trace: Any) -> dict[str, Any]:
+    """The measured model-identity record of a trace's source model (experimental): its
+    class, backend and the full parameter hash taken from the values the trace holds. This
+    is the record an extraction artifact stores as `manifest["signature"]["model_identity"]`
+    and a user lens carries as `lens.model_identity`. `param_hash_full` is None when the
+    trace cannot vouch for its capture-time bytes (`trace.provenance.unavailable` says why);
+    such a record cannot be compared."""
+    p = trace.provenance
+    return {"kind": "measured", "model_class": p.model_class, "backend": p.backend,
+            "param_hash_full": p.param_hash_full}
+
+
+def _identities(lens: Any, addresses: list[str]) -> list[Any]:
+    """Every model_identity a lens records: on the callable or mapping, and on each per-layer
+    callable the projection uses."""
+    found = [getattr(lens, "model_identity", None)]
+    if isinstance(lens, dict):
+        found += [getattr(lens.get(a), "model_identity", None) for a in addresses]
+    return [r for r in found if r is not None]
+
+
+def _comparable(record: Any) -> bool:
+    return isinstance(record, dict) and record.get("kind", "measured") == "measured" \
+        and record.get("param_hash_full") is not None
+
+
+def _check_identity(trace: Any, lens: Any, addresses: list[str], verify: bool,
+                    last: Callable[[], Any] | None) -> str:
+    """The spec's user-lens identity check: 'match', 'mismatch' (raised unless verify=False),
+    or 'unrecorded' (no comparable record: a last-layer agreement check, warning
+    `logit_lens_identity_unrecorded` when the lens does not reproduce the captured logits)."""
+    import warnings
+
+    from torchlens.errors import LogitLensWarning
+
+    mine = model_identity(trace)
+    records = _identities(lens, addresses)
+    measured = [r for r in records if _comparable(r)] if mine["param_hash_full"] is not None else []
+    for r in measured:
+        diff = sorted(k for k in ("model_class", "param_hash_full") if k in r and r[k] != mine[k])
+        if diff:
+            if verify:
+                raise LogitLensError("logit_lens_identity_mismatch", f"the lens was built for another model: its "
+                                     f"model_identity differs from the traced model's in {diff}",
+                                     remedy="use the lens fitted for this model, or pass verify=False to run it "
+                                     "anyway", differing=diff)
+            return "mismatch"
+    if measured and len(measured) == len(records):
+        return "match"
+    if last is None:
+        return "unrecorded"  # the lens has no projection for the last block
+    try:
+        captured = _head_output(trace)
+    except LogitLensError:
+        return "unrecorded"  # no captured logits to agree with
+    x, y = _np(last()).astype(np.float64), _np(captured).astype(np.float64)
+    x = _kept(x, y)
+    if x.shape != y.shape:
+        err, agree = float("inf"), 0.0
+    else:
+        err = float(np.max(np.abs(x - y))) if x.size else 0.0
+        agree = float(np.mean(x.argmax(-1) == y.argmax(-1))) if x.size else 1.0
+    if x.shape != y.shape or not np.allclose(x, y, rtol=1e-4, atol=1e-4):
+        warnings.warn(LogitLensWarning("logit_lens_identity_unrecorded", f"the lens records no comparable "
+                                       f"model_identity and, applied to the last block, differs from the captured "
+                                       f"logits by {err:.3g} (top-1 agreement {agree:.1%})",
+                                       remedy="set lens.model_identity = tl.lens.model_identity(trace) when you "
+                                       "build it for this model", max_abs_error=err, top1_agreement=agree),
+                      stacklevel=3)
+    return "unrecorded"
+
+
 def logit_lens(trace: Any, *, facet: str = "resid_post", modules: Any = None, lens: Any = None,
-               verify: bool = True) -> LensResult:
-    """Project each block's `facet` through the model's final norm and unembedding."""
+               verify: bool = True, validate: bool = True) -> LensResult:
+    """Project each block's `facet` through the model's final norm and unembedding. A user
+    `lens=` is checked against its `model_identity` when `validate` (see `model_identity`)."""
     blocks = _blocks(trace, facet, modules)
     source = "user_lens" if lens is not None else lens_source(trace)
     if lens is None:
@@ -234,6 +326,12 @@ def logit_lens(trace: Any, *, facet: str = "resid_post", modules: Any = None, le
                                  remedy="give the mapping one callable per projected module", module=address)
         return fn(x)
 
+    identity = None
+    if lens is not None and validate:
+        tail = _blocks(trace, facet, None)[-1]
+        tail_fn = lens if callable(lens) else lens.get(tail.address)
+        identity = _check_identity(trace, lens, [m.address for m in blocks] + [tail.address], verify,
+                                   None if tail_fn is None else lambda: tail_fn(tail.facets[facet].value))
     entries = [LensEntry(m.address, apply(m.address, m.facets[facet].value)) for m in blocks]
     validated, err = False, None
     if verify and lens is None:
@@ -244,9 +342,10 @@ def logit_lens(trace: Any, *, facet: str = "resid_post", modules: Any = None, le
         if not validated:
             raise LogitLensError("logit_lens_verification_failed", f"the reconstructed head applied to the last "
                                  f"block's {facet} differs from the captured logits by {err:.3g}",
-                                 remedy="the head is not a plain final norm + unembedding (e.g. a (1 + weight) "
-                                 "RMSNorm): pass lens= or verify=False to trust it", max_abs_error=err)
-    return LensResult(entries, source, validated, facet, err)
+                                 remedy=_kept_note(last, captured) + "the head is not a plain final norm + "
+                                 "unembedding (e.g. a (1 + weight) RMSNorm): pass lens= or verify=False to trust it",
+                                 max_abs_error=err)
+    return LensResult(entries, source, validated, facet, err, extra={} if identity is None else {"identity": identity})
 
 
 @dataclass(frozen=True)
@@ -275,13 +374,18 @@ class Predictions:
 
 
 def _reduce(address: str, logits: Any, k: int, positions: Any, tokens: tuple[int, ...], banned: Any,
-            provenance: str) -> PredictionRow:
+            provenance: str, offset: int = 0, total: int | None = None) -> PredictionRow:
+    """One row's reduction. `offset`/`total`: the row holds positions offset .. offset + n - 1
+    of a `total`-long sequence (a logits_to_keep capture); requested positions count in the
+    whole sequence, and those the row does not cover are dropped, not invented."""
     x = _np(logits).astype(np.float64)
     if x.ndim == 2:  # [batch, vocab]: one position
         x = x[:, None, :]
     n = x.shape[1]
-    pos = tuple(p for p in (range(n) if positions is None else positions) if -n <= p < n)  # out of range: dropped
-    x = x[:, [p % n for p in pos], :]
+    total = n if total is None else total
+    wanted = range(offset, offset + n) if positions is None else positions
+    pos = tuple(p for p in wanted if -total <= p < total and offset <= p % total < offset + n)
+    x = x[:, [p % total - offset for p in pos], :]
     if banned is not None:
         for b, ids in enumerate(banned):
             x[b, :, ids] = -np.inf
@@ -298,7 +402,8 @@ def _reduce(address: str, logits: Any, k: int, positions: Any, tokens: tuple[int
 
 def logit_lens_predictions(trace: Any, *, k: int = 5, positions: Any = None, tokens: Any = (),
                            facet: str = "resid_post", modules: Any = None, lens: Any = None, verify: bool = True,
-                           mask_input: bool = False, include_native: bool = True) -> Predictions:
+                           mask_input: bool = False, include_native: bool = True,
+                           validate: bool = True) -> Predictions:
     """The streaming reduction of `logit_lens`: one layer projected at a time, keeping only
     per-position top-k, the full-vocabulary logsumexp and the requested tokens' logits,
     probabilities and one-based ranks. `include_native` appends the captured logits' row."""
@@ -314,25 +419,42 @@ def logit_lens_predictions(trace: Any, *, k: int = 5, positions: Any = None, tok
         banned = [np.unique(r) for r in ids.reshape(ids.shape[0], -1)]
     blocks = _blocks(trace, facet, modules)
     project = head_projection(trace) if lens is None else None
+    if lens is not None and validate:
+        if not callable(lens) and not isinstance(lens, dict):
+            raise LogitLensError("logit_lens_head_unavailable", f"lens= takes a callable or a mapping, not "
+                                 f"{type(lens).__name__}", remedy="lens=lambda x: ...")
+        tail = _blocks(trace, facet, None)[-1]
+        tail_fn = lens if callable(lens) else lens.get(tail.address)
+        _check_identity(trace, lens, [m.address for m in blocks] + [tail.address], verify,
+                        None if tail_fn is None else lambda: tail_fn(tail.facets[facet].value))
     rows = []
+    n_pos = None
     validated = False
     for i, m in enumerate(blocks):
         x = m.facets[facet].value
         fn = project if project is not None else (lens if callable(lens) else lens[m.address])
         logits = fn(x)
         if verify and lens is None and i == len(blocks) - 1 and modules is None:
-            validated, err = _close(logits, _head_output(trace))
+            captured = _head_output(trace)
+            validated, err = _close(logits, captured)
             if not validated:
                 raise LogitLensError("logit_lens_verification_failed", f"the reconstructed head applied to the last "
                                      f"block's {facet} differs from the captured logits by {err:.3g}",
-                                     remedy="pass lens= or verify=False", max_abs_error=err)
+                                     remedy=_kept_note(logits, captured) + "pass lens= or verify=False",
+                                     max_abs_error=err)
         rows.append(_reduce(m.address, logits, k, positions, tokens, banned, "projected through final norm/head"))
+        shape = getattr(logits, "shape", ())
+        n_pos = int(shape[1]) if len(shape) >= 3 else n_pos
         del logits  # one layer's full projection at a time
     if include_native:
-        rows.append(_reduce("native", _head_output(trace), k, positions, tokens, banned,
-                            "native output"))
+        native = _head_output(trace)
+        shape = getattr(native, "shape", ())
+        # a logits_to_keep capture kept only the last positions: the native row covers those alone
+        offset = n_pos - int(shape[1]) if n_pos is not None and len(shape) >= 3 and int(shape[1]) < n_pos else 0
+        rows.append(_reduce("native", native, k, positions, tokens, banned, "native output", offset=offset,
+                            total=n_pos if offset else None))
     return Predictions(rows, validated, facet, tokens)
 
 
-__all__ = ["logit_lens", "logit_lens_predictions", "head_projection", "LensResult", "LensEntry", "Predictions",
+__all__ = ["logit_lens", "logit_lens_predictions", "head_projection", "model_identity", "LensResult", "LensEntry", "Predictions",
            "PredictionRow"]

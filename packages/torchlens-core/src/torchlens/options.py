@@ -269,7 +269,7 @@ class StorageOptions:
 
 
 _ON_PREDICATE_ERROR = ("raise", "warn", "skip")
-_ON_FORWARD_ERROR = ("raise", "return_partial")
+_ON_FORWARD_ERROR = ("raise", "attach_partial", "return_partial")
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,8 @@ class RecordingOptions:
     - `max_predicate_failures`: failures of a save predicate tolerated before the recording
       stops (an int >= 0, or None: no limit).
     - `on_predicate_error`: "raise", "warn" or "skip".
-    - `on_forward_error`: "raise" or "return_partial".
+    - `on_forward_error`: "raise", "attach_partial" (the failed partial recording rides on the
+      raised error as `exc.partial_recording`) or "return_partial" (it is returned).
     - `postprocess`: None or a callable applied to the finished recording.
     - `lean`: journal only the events the selection keeps (PROVISIONAL SPELLING).
     """

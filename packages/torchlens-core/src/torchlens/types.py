@@ -193,3 +193,17 @@ class Relationship:
 
 
 __all__ += ["Relationship"]
+
+
+def __getattr__(name: str) -> Any:
+    # Records defined by a higher layer, served here under their spec names (lazily, so
+    # this module stays at the bottom of the import graph).
+    if name == "RecordingSettings":
+        from torchlens.recording.settings import RecordingSettings
+
+        return RecordingSettings
+    if name in ("MergeAlignment", "MergeValueStatus"):
+        from torchlens.distributed import records
+
+        return getattr(records, name)
+    raise AttributeError(f"module 'torchlens.types' has no attribute {name!r}")

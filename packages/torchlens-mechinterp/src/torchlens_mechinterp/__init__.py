@@ -19,6 +19,8 @@ _NAMES: dict[str, str] = {
     "ResidualDecomposition": "residual",
     "ComponentStack": "stack",
     "direct_logit_contributions": "dla",
+    "DirectLogitContributions": "dla",
+    "StackRow": "stack",
     "attention_head_contributions": "heads",
     "head_weight_views": "heads",
     "HeadWeightViews": "heads",
@@ -40,6 +42,12 @@ _NAMES: dict[str, str] = {
     "patch_head": "patching",
     "patch_query_heads_grid": "patching",
     "PatchGrid": "patching",
+    "PatchCost": "patching",
+    "PatchedHead": "patching",
+    "AliasResolution": "aliases",
+    "AliasReport": "aliases",
+    "PromptRecord": "prompts",
+    "AnswerScore": "prompts",
 }
 
 #: functions whose first parameter is a trace: what `trace.using("mechinterp")` serves.

@@ -114,6 +114,13 @@ class TorchBackend:
 
     def capture(self, model: Any, args: tuple, kwargs: dict, *, save: Any = "all", capture: CaptureOptions | None = None,
                 _edit_plan: Any = None, **trace_options: Any) -> Any:
+        if "torch.distributed" in sys.modules:
+            # SPMD processes arm lazily at capture entry (tl.distributed.arm() is the explicit route).
+            from torchlens_torch import distributed as _dist
+
+            if _dist.armed() is None and _dist.lazy_arm() is not None:  # armed just now: re-enter the armed capture
+                return self.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=_edit_plan,
+                                    **trace_options)
         if trace_options:
             raise BackendUnsupportedError("trace_option_unsupported",
                                           f"the torch backend does not take {', '.join(sorted(trace_options))}",
@@ -214,6 +221,13 @@ class TorchBackend:
 
     def realize_once(self, values: Any) -> Any:
         return values  # eager: values are concrete when the call returns
+
+    def generation_driver(self) -> Any:
+        """What `tl.record(..., generate_kwargs=...)` runs Hugging Face `generate()` through
+        (`torchlens_torch.generation`)."""
+        from torchlens_torch.generation import TorchGenerationDriver
+
+        return TorchGenerationDriver()
 
     def payload_codec(self) -> Any:
         """The bit-exact torch payload codec used by `Trace.save` / `tl.load`."""

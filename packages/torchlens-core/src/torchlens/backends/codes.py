@@ -24,6 +24,9 @@ _OTHER_REFUSALS: dict[str, str] = {
     "explicit_seed_unsupported": "seed= on a preview backend",
     "runtime_missing": "the backend's framework (or the backend package) is not importable",
     "runtime_version_unsupported": "the framework's version is outside the backend's supported range",
+    "runtime_conflict": "the backend's framework cannot be loaded next to another framework already loaded in this "
+                        "process (paddle's native core crashes when loaded after tensorflow's): refused instead of "
+                        "crashing",
     "foreign_tensor_input": "an input leaf belongs to another framework",
     "constant_unrealizable": "a closure or literal constant has no readable buffer",
     "rng_state_in_graph": "the traced forward draws random numbers itself on a lazy backend",
@@ -40,6 +43,9 @@ _OTHER_REFUSALS: dict[str, str] = {
     "intervention_result_invalid": "an MLX intervention returned a non-array or changed shape or dtype",
     "value_dependent_branch_unsupported": "the forward branches on a traced value the backend cannot follow",
     "followed_by_unsupported": "the backend cannot evaluate a followed_by temporal selector",
+    "tf_stateful_op_unsupported": "the traced TensorFlow forward ran a stateful op that returns arrays (a seedless "
+                                  "tf.random draw, a resource read other than ReadVariableOp), which a replay could "
+                                  "not reproduce",
     "torchscript_boundary": "the forward enters TorchScript code whose ops cannot be observed",
 }
 

@@ -335,6 +335,18 @@ class CapabilityProtocol:
     requires: str | None = None
 
 
+@runtime_checkable
+class SupportsGenerationRecording(Protocol):
+    """Optional (issue 22): `generation_driver()` returns the object `tl.record(...,
+    generate_kwargs=...)` runs generate() through. That object has
+    `record_generation(model, args, kwargs, request: GenerationRequest) -> GenerationRun`
+    (call `request.on_forward(ForwardData(...))` after every forward), `is_tensor(value)`,
+    `concat(parts)` (rows along the first axis), `spill_save(obj, path)` and `spill_load(path)`.
+    Core reads it from the backend's type (`torchlens.recording.generation.generation_driver`)."""
+
+    def generation_driver(self) -> Any: ...
+
+
 CAPABILITY_PROTOCOLS: tuple[CapabilityProtocol, ...] = (
     CapabilityProtocol(SupportsInterventions, ("edit_ops", "attach_module_edits"), flag="interventions"),
     CapabilityProtocol(SupportsBackward, ("backward",), flag="backward_capture"),
@@ -345,6 +357,7 @@ CAPABILITY_PROTOCOLS: tuple[CapabilityProtocol, ...] = (
     CapabilityProtocol(SupportsHostValues, ("from_host",)),
     CapabilityProtocol(SupportsCallableTable, ("resolve_callable",)),
     CapabilityProtocol(SupportsOpRebinding, ("rebind_op",)),
+    CapabilityProtocol(SupportsGenerationRecording, ("generation_driver",)),
 )
 
 

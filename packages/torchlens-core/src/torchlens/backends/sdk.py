@@ -41,6 +41,7 @@ from torchlens.backends.protocol import (
     BackendSpec,
     FrameworkRequirement,
     SupportsBackward,
+    SupportsGenerationRecording,
     SupportsCallableTable,
     SupportsHostValues,
     SupportsInterventions,
@@ -78,6 +79,7 @@ from torchlens.errors import (
     BackendUnsupportedError,
     InvalidArgumentError,
     LookupMissError,
+    RecordingError,
     ReentrantTraceError,
     SaveBudgetExceededError,
     TorchLensError,
@@ -108,6 +110,10 @@ _LAZY = {
     "replay_ops_from": "torchlens.replay.engine:replay_ops_from",
     "Replayer": "torchlens.replay.engine:Replayer",
     "ReplayFailure": "torchlens.replay.engine:ReplayFailure",
+    # issue 22: the generation driver contract (see SupportsGenerationRecording)
+    "ForwardData": "torchlens.recording.generation:ForwardData",
+    "GenerationRequest": "torchlens.recording.generation:GenerationRequest",
+    "GenerationRun": "torchlens.recording.generation:GenerationRun",
 }
 
 
@@ -152,7 +158,7 @@ __all__ = [
     "BackendCapabilities", "BackendProtocol", "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward",
     "SupportsValidation", "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues",
     "SupportsCallableTable", "SupportsOpRebinding", "SupportsValidationScopes", "EditOps", "DifferentiableEditOps",
-    "ReplayOps",
+    "ReplayOps", "SupportsGenerationRecording",
     "supports", "install_hint", "CaptureOptions", "TraceOptions", "AttributeWrite", "refusal_codes_for", "CAPABILITY_REFUSALS",
     "REFUSAL_CODES", "VALIDATION_REASONS",
     "EventLog", "OpEvent", "ModuleEnter", "ModuleExit", "ArgRef", "ModelInfo", "ModuleInfo", "ParamInfo", "BufferInfo",
@@ -160,5 +166,5 @@ __all__ = [
     "save_plan", "apply_save", "Provenance", "check_requested_capabilities",
     "ValidationStatus", "param_values", "CallablePlaceholder", "UnencodableValue", *_LAZY,
     "TorchLensError", "BackendUnsupportedError", "InvalidArgumentError", "TraceCaptureError", "ArtifactError",
-    "LookupMissError", "ReentrantTraceError", "SaveBudgetExceededError", "ValidationError",
+    "LookupMissError", "RecordingError", "ReentrantTraceError", "SaveBudgetExceededError", "ValidationError",
 ]

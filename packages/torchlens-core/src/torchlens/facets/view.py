@@ -149,9 +149,9 @@ class Facet:
                                "read the gradient of an op-anchored structural facet")
         g = home_grad(self._trace, spec)
         if g is None:
-            return MissingGrad(self.name, f"op {spec.home!r} has no saved gradient",
-                               "capture with capture=tl.options.CaptureOptions(backward_ready=True, save_grads=True) "
-                               "and call trace.backward(loss)")
+            how = ("capture with capture=tl.options.CaptureOptions(backward_ready=True, save_grads=True) and call "
+                   "trace.backward(loss)")
+            return MissingGrad(self.name, f"op {spec.home!r} has no saved gradient: {how}", how)
         return spec.read(g)
 
     @property
@@ -356,8 +356,8 @@ class FacetView:
         return {n: e.reason for n, e in self._entries.items() if e.reason}
 
     def __getitem__(self, name: Any) -> Facet:
-        if isinstance(name, (tuple, list)):  # a typed container path: (1, 0) -> "out1.0"
-            name = "out" + ".".join(str(i) for i in name)
+        if isinstance(name, (tuple, list)):
+            name = _path_name(name, self.address)
         e = self._entries.get(name)
         if e is None:
             known = ", ".join(self.keys()[:12])
@@ -396,6 +396,20 @@ class FacetView:
 
 #: per-head facets and the axis their head index lives on (from the end)
 HEAD_AXIS: dict[str, int] = {"q": -2, "k": -2, "v": -2, "z": -2, "result": -2, "pattern": -3, "scores": -3}
+
+
+def _path_name(path: Any, address: str) -> str:
+    """The facet name of a typed container path: positions `(1, 0)` -> `"out1.0"`; field
+    names `("h_n",)` -> `"h_n"`, `("encoder", 0)` -> `"encoder.0"` (the recorded name of a
+    named leaf is its path joined with dots, or the field name alone where that is unique)."""
+    items = tuple(path)
+    if not items or not all(isinstance(i, (int, str)) and not isinstance(i, bool) for i in items):
+        raise FacetLookupError("facet_unknown", f"module {address!r} has no facet at container path {path!r}: a "
+                               "path is a non-empty tuple of positions (int) and field names (str)",
+                               remedy="e.g. facets[(1, 0)] or facets[('h_n',)]", facet=repr(path), module=address)
+    if all(isinstance(i, int) for i in items):
+        return "out" + ".".join(str(i) for i in items)
+    return ".".join(str(i) for i in items)
 
 
 class HeadView:

@@ -32,6 +32,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from torchlens.types import Duration
 
 
+def _scope(value: Any) -> Any:
+    """`Provenance.distributed_scope`, checked against its closed vocabulary (issue 24)."""
+    if value is None or value == "rank_local_shard":
+        return value
+    from torchlens.errors import ArtifactError
+
+    raise ArtifactError("distributed_scope_invalid", f"provenance distributed_scope {value!r} is not None or 'rank_local_shard'",
+                        remedy="load an artifact TorchLens wrote, unedited", field="distributed_scope")
+
+
 @dataclass
 class Provenance:
     """How, when and from what the capture happened."""
@@ -149,11 +159,12 @@ class Provenance:
     cache_hit = property(lambda self: self.extra.get("cache_hit"), doc="Whether a capture-cache hit answered (no cache yet).")
     cache_key = property(lambda self: self.extra.get("cache_key"), doc="The capture-cache key (no cache yet).")
     cache_path = property(lambda self: self.extra.get("cache_path"), doc="The capture-cache entry path (no cache yet).")
-    recording_kept = property(lambda self: self.extra.get("recording_kept"), doc="Whether a Recording was kept (no tl.record yet).")
+    recording_kept = property(lambda self: self.extra.get("recording_kept"), doc="Whether a Recording was kept (None for a tl.trace capture).")
     param_source = property(lambda self: self.extra.get("param_source"), doc="The parameters' portable origin (not recorded).")
     backend_config = property(lambda self: self.extra.get("backend_config"), doc="The backend's configuration (not recorded).")
-    distributed_scope = property(lambda self: self.extra.get("distributed_scope"),
-                                 doc="'rank_local_shard' for a rank-local capture (shards not detected in this build).")
+    distributed_scope = property(lambda self: _scope(self.extra.get("distributed_scope")),
+                                 doc="'rank_local_shard' when an armed capture recorded a collective boundary op "
+                                     "(a rank-local recording, issue 24); None otherwise. Experimental.")
     observer_spans = property(lambda self: self.extra.get("observer_spans"), doc="Observer spans (no observers yet).")
     is_appended = property(lambda self: self.extra.get("is_appended"), doc="Whether the trace was appended to (no append yet).")
 
@@ -174,10 +185,11 @@ class Provenance:
         never = {"cache_hit": "this build has no capture cache (cache=True)",
                  "cache_key": "this build has no capture cache (cache=True)",
                  "cache_path": "this build has no capture cache (cache=True)",
-                 "recording_kept": "this build has no tl.record",
+                 "recording_kept": "a tl.trace capture keeps no Recording (tl.record does)",
                  "param_source": "this build records no parameter origin",
                  "backend_config": "no backend records a configuration in this build",
-                 "distributed_scope": "this build does not detect rank-local shards (tl.distributed is not built)",
+                 "distributed_scope": "not a rank-local capture (no collective boundary op recorded under "
+                                      "tl.distributed.arm())",
                  "observer_spans": "this build has no observers (tl.observers is not built)",
                  "is_appended": "this build has no trace append"}
         why.update({k: v for k, v in never.items() if self.extra.get(k) is None})
@@ -638,6 +650,14 @@ class Trace(TraceLike):
             raise PayloadUnavailableError(self._output_state, why, remedy="capture again with tl.trace(model, x), or read "
                                           "the output ops' saved values (trace.output_ops[0].out)", reason=reason)
         return self._output
+
+    @property
+    def outcome(self) -> Any:
+        """The frozen `CaptureOutcome` of this trace's capture: COMPLETE, STOPPED, FAILED (a
+        partial trace), UNATTESTED (the backend recorded none) or UNKNOWN (issue 22)."""
+        from torchlens.records.outcome import trace_outcome
+
+        return trace_outcome(self)
 
     @property
     def graph_edges(self) -> list[tuple[str, str]]:

@@ -59,6 +59,13 @@ class FacetSelector(Selector):
 
     __rand__ = __and__
 
+    def __or__(self, other: Any) -> "FacetUnion":
+        """`tl.facet("q") | tl.facet("k")`, `tl.head(1, "q") | tl.head(2, "v")`: every member's writes."""
+        return FacetUnion(_members(self) + _members(other, self))
+
+    def __ror__(self, other: Any) -> "FacetUnion":
+        return FacetUnion(_members(other, self) + _members(self))
+
     def match_set(self, trace: Any) -> set[str]:
         raise SelectorCompositionError(
             "facet_selector_unsupported", f"{self!r} names a facet slice, not whole ops; it cannot be resolved as a "
@@ -109,6 +116,69 @@ class FacetSelector(Selector):
                              f"{'module ' + repr(self.module) if self.module else 'this trace'}",
                              remedy="see trace.modules[address].facets.declared()", facet=self.name, module=self.module)
         return out
+
+
+def _members(sel: Any, partner: Any = None) -> tuple["FacetSelector", ...]:
+    if isinstance(sel, FacetSelector):
+        return (sel,)
+    if isinstance(sel, FacetUnion):
+        return sel.members
+    raise SelectorCompositionError(
+        "facet_selector_unsupported", f"{partner!r} | {sel!r}: a facet selector unites only with other facet "
+        "selectors (tl.facet / tl.head)", remedy="stage the other site with its own trace.do(...) call",
+        selector=repr(partner))
+
+
+@dataclass(frozen=True, repr=False)
+class FacetUnion(Selector):
+    """`a | b` of facet selectors: one do() site writing every member's facet slices. Members
+    on one home op compose under the same write masks as separate edits (an overlap refuses);
+    a slice two members name identically is written once."""
+
+    members: tuple = ()
+    kind = "facet_union"
+    _tl_facet = True
+
+    @property
+    def module(self) -> str | None:
+        """The one module every member is scoped to, else None."""
+        mods = {m.module for m in self.members}
+        return mods.pop() if len(mods) == 1 else None
+
+    def head(self, index: int) -> "FacetUnion":
+        return FacetUnion(tuple(m.head(index) for m in self.members))
+
+    def in_module(self, address: str) -> "FacetUnion":
+        return FacetUnion(tuple(m.in_module(address) for m in self.members))
+
+    def __and__(self, other: Any) -> "FacetUnion":
+        return FacetUnion(tuple(m & other for m in self.members))
+
+    __rand__ = __and__
+
+    def __or__(self, other: Any) -> "FacetUnion":
+        return FacetUnion(self.members + _members(other, self))
+
+    def __ror__(self, other: Any) -> "FacetUnion":
+        return FacetUnion(_members(other, self) + self.members)
+
+    def match_set(self, trace: Any) -> set[str]:
+        return self.members[0].match_set(trace)  # refuses: a facet slice is not a set of sites
+
+    def __repr__(self) -> str:
+        return "(" + " | ".join(repr(m) for m in self.members) + ")"
+
+    def sites(self, trace: Any) -> list[tuple[str, Any, str]]:
+        out: list[tuple[str, Any, str]] = []
+        for m in self.members:
+            for site in m.sites(trace):
+                if not any(site[0] == o[0] and site[1] == o[1] for o in out):
+                    out.append(site)
+        return out
+
+    def fanout(self, trace: Any) -> int:
+        """How many sites the unscoped members write (the fan-out warning's count)."""
+        return sum(len(m.sites(trace)) for m in self.members if not m.module)
 
 
 def facet(name: str) -> FacetSelector:
@@ -172,10 +242,11 @@ def lower_facet(trace: Any, selector: FacetSelector, edit: Any) -> list[tuple[st
                                      "of q,k,v), or clear the earlier edit first", facet=name, home=label)
             mine = m if mine is None else (mine | m)
         staged[label] = [(k, m) for k, m in staged.get(label, []) if k != key] + [(key, mine)]
-    if not selector.module and len(sites) > 1:
-        warnings.warn(FacetWarning("facet_selector_fanout", f"{selector!r} writes {len(sites)} facet sites",
+    fan = selector.fanout(trace) if isinstance(selector, FacetUnion) else (0 if selector.module else len(sites))
+    if fan > 1:
+        warnings.warn(FacetWarning("facet_selector_fanout", f"{selector!r} writes {fan} facet sites",
                                    remedy="scope it with .in_module(address) to write one module",
-                                   site_count=len(sites)), stacklevel=3)
+                                   site_count=fan), stacklevel=3)
     out = []
     for label, items in by_home.items():
         specs = tuple(s for s, _ in items)
@@ -194,4 +265,4 @@ def lower_facet(trace: Any, selector: FacetSelector, edit: Any) -> list[tuple[st
     return out
 
 
-__all__ = ["FacetSelector", "facet", "head", "lower_facet", "write_mask", "DEFAULT_HEAD_FACETS"]
+__all__ = ["FacetSelector", "FacetUnion", "facet", "head", "lower_facet", "write_mask", "DEFAULT_HEAD_FACETS"]

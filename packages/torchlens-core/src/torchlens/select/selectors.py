@@ -60,6 +60,8 @@ class Selector:
 
     def __or__(self, other: Any) -> "Selector":
         other = self._other(other, "|")
+        if getattr(other, "_tl_facet", False):  # a facet selector unites only with facet selectors: refuses
+            return other.__ror__(self)
         if isinstance(self, GradSelector) and isinstance(other, GradSelector):
             return GradSelector(self.inner() | other.inner())  # one gradient branch
         return _Or(self, other)

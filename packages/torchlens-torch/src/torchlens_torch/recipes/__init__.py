@@ -25,5 +25,6 @@ def torchlens_facet_recipes() -> list[Any]:
     return list(RECIPES)
 
 
-__all__ = ["RECIPES", "torchlens_facet_recipes", "attention", "multihead_attention", "residual_block", "mlp", "language_model_head", "classification_head",
+__all__ = ["RECIPES", "torchlens_facet_recipes", "attention", "multihead_attention", "residual_block", "mlp",
+           "language_model_head", "classification_head",
            "contrastive_image_head"]

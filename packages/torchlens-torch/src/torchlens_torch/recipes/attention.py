@@ -25,7 +25,6 @@ from torchlens_torch.recipes.dataflow import (
     MATMULS,
     SCORE_ELEMENTWISE,
     arg_value,
-    child_call_of,
     forward_to_projection,
     own_ops,
     projection_spec,
@@ -169,15 +168,58 @@ def _sdpa_inputs(op: Any) -> tuple[str, ...]:
     return tuple(op.parents)
 
 
+def _innermost_call(trace: Any, op: Any) -> Any:
+    """The call of the innermost module that ran `op`."""
+    module = trace._modules.get(op.module)
+    if module is None:
+        return None
+    return next((c for c in module.calls if op.label in c.op_labels), None)
+
+
+def _projection_after_output(trace: Any, call: Any, z: Any) -> Any:
+    """When z leaves the attention module only reshaped (its first output), the output
+    projection is the first parameter op reading that output in the enclosing module's
+    call (BERT: `BertAttention` feeds `self`'s output to `output.dense`)."""
+    if not call.output_labels:
+        return None
+    out = trace._ops[call.output_labels[0]]
+    inside = set(call.op_labels)
+    cur, structural = z, IDENTITY | {"transpose", "reshape", "view", "permute", "flatten"}
+    for _ in range(8):  # z reaches the output through structural ops only
+        if cur.label == out.label:
+            break
+        nxt = [trace._ops[c] for c in cur.children if c in inside and trace._ops[c].func_name in structural]
+        if not nxt:
+            return None
+        nxt.sort(key=lambda o: -len([c for c in o.children if c in inside]))
+        cur = nxt[0]
+    else:
+        return None
+    parent = trace._modules.get(call.module.parent) if call.module.parent else None
+    if parent is None:
+        return None
+    pcall = next((c for c in parent.calls if out.label in c.op_labels), None)
+    if pcall is None:
+        return None
+    outer = set(pcall.op_labels) - inside
+    readers = [trace._ops[c] for c in out.children if c in outer]
+    proj = [o for o in readers if o.params or o.module != pcall.address]
+    if len(readers) != 1 or len(proj) != 1 or not proj[0].params:
+        return None
+    return proj[0]
+
+
 def _result_spec(trace: Any, call: Any, core: Any, z_spec: Any) -> Any:
     """Per-head contributions of the output projection, `[batch, pos, head, d_model]`:
     z's head h times W_O's rows for h; validated so that the heads summed plus the bias
     equal the projection's captured output."""
     proj_first = forward_to_projection(trace, call, core.z)
+    if proj_first is None:  # the projection sits outside: BERT's sibling BertSelfOutput.dense
+        proj_first = _projection_after_output(trace, call, core.z)
     if proj_first is None:
         return None
     if proj_first.module != call.address:
-        pcall = child_call_of(trace, call, proj_first)
+        pcall = _innermost_call(trace, proj_first)
         if pcall is None:
             return None
         pops = [o for o in pcall.ops if o.params]

@@ -5,11 +5,15 @@ its own code or a wrapper child's), reached from one of its inputs through a cha
 `resid_pre` is that input, `resid_post` the returned add, and `resid_mid` the first add of
 the chain that reads `resid_pre` directly (the post-attention residual add). A parallel
 block (GPT-NeoX, GPT-J: `x + attn(x) + mlp(x)`) has no such add, so resid_mid is absent,
-not guessed.
+not guessed. Reshapes of the stream are looked through (OPT flattens it around its MLP).
+A post-norm block (BERT: `norm(x + sublayer(x))` per sublayer) returns a norm of the last
+add; its resid_mid is the first sublayer's normalized sum, the stream the second sublayer
+reads and adds to (TransformerLens's BERT `hook_resid_mid`).
 
 An MLP is a non-attention child of a residual block (or of an attention-free residual
-wrapper inside one, T5's `T5LayerFF`) whose output comes from a parameter projection: `out` is its output, `post` the tensor the output projection read, and `pre`
-the projection output that reaches `post` through the activation (a gated MLP's other
+wrapper inside one, T5's `T5LayerFF`) whose output comes from a parameter projection:
+`out` is its output, `post` the tensor the output projection read, and `pre` the
+projection output that reaches `post` through the activation (a gated MLP's other
 projection is `pre_linear`).
 """
 
@@ -21,11 +25,13 @@ from typing import Any
 import torchlens
 
 from torchlens_torch.recipes.attention import is_attention
-from torchlens_torch.recipes.dataflow import IDENTITY, child_call_of, direct_child
+from torchlens_torch.recipes.dataflow import IDENTITY, child_call_of, direct_child, parent_slot
 
 BLOCK_ID = "torchlens_torch.residual_block"
 MLP_ID = "torchlens_torch.mlp"
 ADDS = frozenset({"add", "__add__", "__radd__", "add_", "__iadd__"})
+NORMS = frozenset({"layer_norm", "rms_norm", "group_norm"})
+VIEWS = frozenset({"view", "reshape", "flatten", "unflatten"})
 
 
 def _descendants(module: Any) -> list[Any]:
@@ -38,36 +44,70 @@ def contains_attention(module: Any) -> bool:
     return any(is_attention(m) for m in _descendants(module) if m.calls)
 
 
+def _unview(trace: Any, op: Any, inside: set[str]) -> Any:
+    """`op`, or the op it is a reshape of (OPT flattens the stream to `(batch * pos, d)`
+    around its MLP and views it back at the end)."""
+    for _ in range(4):
+        if op.func_name not in VIEWS or op.label not in inside or len(op.parents) != 1:
+            break
+        op = trace._ops[op.parents[0]]
+    return op
+
+
 def block_anchors(trace: Any, call: Any) -> tuple[Any, Any, Any] | None:
     """(resid_pre op, resid_mid op or None, resid_post op) of a residual block call. The
     adds may sit in the block's own code or in a wrapper child (T5's `T5LayerSelfAttention`
-    / `T5LayerFF` each end in their residual add)."""
+    / `T5LayerFF` each end in their residual add). Reshapes of the stream are looked
+    through. A post-norm block (BERT: `norm(x + sublayer(x))`) may end each sublayer in a
+    norm of its add: then resid_mid is the first sublayer's normalized sum, the stream the
+    second sublayer reads and adds to (TransformerLens's BERT hook_resid_mid)."""
     slots = call.output_slots
     if not slots:
         return None
     inside = set(call.op_labels)
     post = trace._ops[slots[0][0]]
-    if post.func_name not in ADDS or post.label not in inside:
+    if post.label not in inside or post.shape is None:
+        return None
+    size = _numel(post.shape)
+    first = _unview(trace, post, inside)
+    if first.func_name not in ADDS | NORMS:
         return None
     inputs = set(call.input_labels)
-    chain = [post]
+    chain = [first]
     pre = None
-    cur = post
-    for _ in range(6):
+    cur = first
+    for _ in range(8):
         parents = [trace._ops[p] for p in cur.parents]
-        direct = [p for p in parents if p.label in inputs and p.shape == post.shape]
-        if direct:
+        direct = [p for p in parents if p.label in inputs and p.shape is not None and _numel(p.shape) == size]
+        if direct and cur.func_name in ADDS:
             pre = direct[0]
             break
-        adds = [p for p in parents if p.func_name in ADDS and p.label in inside and p.shape == post.shape]
-        if len(adds) != 1:
+        if cur.func_name in NORMS:  # a post-norm: its (single) tensor input is the add it normalizes
+            nxt = [p for p in (_unview(trace, q, inside) for q in parents) if p.label in inside
+                   and p.func_name in ADDS]
+        else:  # an add: follow the one add among its inputs, else the one norm (a post-norm block)
+            same = [p for p in (_unview(trace, q, inside) for q in parents) if p.label in inside
+                    and p.shape is not None and _numel(p.shape) == size]
+            nxt = [p for p in same if p.func_name in ADDS] or [p for p in same if p.func_name in NORMS]
+        if len(nxt) != 1:
             return None
-        cur = adds[0]
+        cur = nxt[0]
         chain.append(cur)
     if pre is None:
         return None
-    mid = next((a for a in chain[1:] if pre.label in a.parents), None)
+    top = next(j for j, a in enumerate(chain) if a.func_name in ADDS)  # the add resid_post comes from
+    i = next((j for j, a in enumerate(chain) if j > top and a.func_name in ADDS and pre.label in a.parents), None)
+    if i is None:
+        return pre, None, post
+    mid = chain[i - 1] if chain[i - 1].func_name in NORMS and i - 1 > top else chain[i]
     return pre, mid, post
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _block_like(module: Any) -> bool:
@@ -154,6 +194,8 @@ def mlp_anchors(trace: Any, call: Any) -> tuple[Any, Any, Any, Any] | None:
         cur = trace._ops[cur.parents[0]]
     else:
         return None
+    if cur.func_name in NORMS:  # a residual-and-norm tail (BERT's BertOutput), not an output projection
+        return None
     out_proj = projections[direct_child(call.address, cur.module)]
     if not out_proj.input_labels:
         return None
@@ -182,6 +224,26 @@ def mlp_anchors(trace: Any, call: Any) -> tuple[Any, Any, Any, Any] | None:
     return pre, pre_linear, post, out
 
 
+def fused_gate(trace: Any, call: Any, pre: Any, post: Any) -> tuple[list[int], int, int, int] | None:
+    """A gated MLP with one fused gate/up projection (Phi-3's `gate_up_proj`): the projection
+    output is split in two, one half goes through the activation and the other multiplies it
+    directly. Returns (section sizes, split dim, gate slot, up slot), else None."""
+    inside = set(call.op_labels)
+    splits = [trace._ops[c] for c in pre.children if c in inside]
+    splits = [o for o in splits if o.func_name in ("chunk", "split", "split_with_sizes", "tensor_split")
+              and o.shapes and len(o.shapes) == 2]
+    if len(splits) != 1 or not pre.shapes or splits[0].label not in post.parents:
+        return None
+    sp = splits[0]
+    shape, outs = tuple(pre.shapes[0]), [tuple(o) for o in sp.shapes]
+    dims = [d for d in range(len(shape)) if len(outs[0]) == len(shape) and outs[0][d] != shape[d]]
+    if len(dims) != 1 or post.parents.count(sp.label) != 1:
+        return None
+    d = dims[0]
+    up = parent_slot(post, sp.label)
+    return [o[d] for o in outs], d - len(shape), 1 - up, up
+
+
 def is_mlp(module: Any) -> bool:
     trace = module._trace
     if module.parent is None or not module.calls:
@@ -208,6 +270,11 @@ def mlp(module: Any) -> dict[str, Any]:
     pre, pre_linear, post, out = anchors
     spec = lambda op: torchlens.facets.FacetSpec(home_kind="op", home=op.label, recipe_id=MLP_ID,  # noqa: E731
                                                  address=op.module)
+    fused = fused_gate(trace, call, pre, post) if pre_linear is None else None
+    if fused is not None:  # pre is the gate half of the fused projection, pre_linear the up half
+        sizes, dim, gate, up = fused
+        halves = spec(pre).split(sizes, dim=dim)
+        return {"pre": halves[gate], "pre_linear": halves[up], "post": spec(post), "out": spec(out)}
     return {"pre": spec(pre), "pre_linear": spec(pre_linear) if pre_linear is not None else None, "post": spec(post),
             "out": spec(out)}
 

@@ -258,5 +258,6 @@ def language_model_head(module: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["language_model_head", "classification_head", "contrastive_image_head", "is_contrastive_model", "is_lm_model", "is_classifier_model", "final_norm",
+__all__ = ["language_model_head", "classification_head", "contrastive_image_head", "is_contrastive_model", "is_lm_model",
+           "is_classifier_model", "final_norm",
            "HEAD_FACETS", "CLASSIFIER_FACETS"]
