@@ -34,7 +34,7 @@ if ! command -v clang >/dev/null 2>&1; then
     echo "setup: clang not found; install it for tinygrad's CPU device (apt-get install clang)" >&2
   fi
 fi
-MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference packages/torchlens-mlx packages/torchlens-recipes-example packages/torchlens-tf packages/torchlens-paddle packages/torchlens-mechinterp conformance"
+MEMBERS="packages/torchlens-core packages/torchlens-torch packages/torchlens-jax packages/torchlens-reference packages/torchlens-mlx packages/torchlens-recipes-example packages/torchlens-tf packages/torchlens-paddle packages/torchlens-tinygrad packages/torchlens-mechinterp conformance"
 stamp=.venv/.torchlens-setup
 want=$(cat constraints.txt requirements-dev.txt requirements-vision.txt $(for m in $MEMBERS; do echo "$m/pyproject.toml"; done) | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -249,6 +249,12 @@ def test_bad_inputs_refuse_typed_before_anything_is_patched():
     with pytest.raises(InvalidArgumentError) as info:
         proto.capture(42, (X,), {})
     assert info.value.code == "model_type_unsupported"
+    for wrong in ([1.0, 2.0, 3.0, 4.0], {"x": 3}):  # a layer given no paddle.Tensor at all
+        before = _framework_objects()
+        with pytest.raises(InvalidArgumentError) as info:
+            tl.trace(nn.Linear(4, 2), wrong, backend="paddle")
+        assert info.value.code == "invalid_argument" and "paddle.to_tensor" in info.value.remedy
+        assert _same(before, _framework_objects())
 
     class Mixed(nn.Layer):  # a layer holding an array of another framework
         def __init__(self):

@@ -398,6 +398,12 @@ class PaddleBackend:
             raise BackendUnsupportedError("foreign_tensor_input", f"an input is a {foreign}, not a paddle.Tensor",
                                           remedy="convert inputs with paddle.to_tensor(...) before tracing with "
                                                  "backend='paddle'", backend="paddle")
+        if isinstance(model, nn.Layer) and not any(isinstance(v, Tensor) for _p, v in _leaf_paths((args, kwargs), "")):
+            kinds = sorted({type(v).__name__ for _p, v in _leaf_paths((args, kwargs), "")}) or ["no input"]
+            raise InvalidArgumentError("invalid_argument",
+                                       f"no input of the call is a paddle.Tensor (got {', '.join(kinds)})",
+                                       remedy="convert inputs with paddle.to_tensor(...) before tracing with "
+                                              "backend='paddle'", backend="paddle")
         if isinstance(model, nn.Layer):
             for addr, m in model_modules(model):
                 for key, value in vars(m).items():
