@@ -13,6 +13,9 @@ Results go to `benchmarks/results/capture.json`.
 
     python benchmarks/capture.py                 # full run (default 9 rounds)
     python benchmarks/capture.py --rounds 5 --models gpt2
+    python benchmarks/capture.py --clock cpu --threads 1   # CPU time: steadier on a shared machine
+
+The report records the clock, the date and the machine's load averages at the start and end.
 
 PyPI `torchlens` cannot live in this venv (its import name is ours). To compare against it,
 install it in a separate venv (with TransformerLens and nnsight too, if you like) and point
@@ -186,7 +189,10 @@ def nnsight_variant(model: nn.Module, tokens: torch.Tensor) -> dict[str, Callabl
 
 # measurement ----------------------------------------------------------------------------
 
-def measure(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+def measure(variants: dict[str, Callable[[], Any]], rounds: int,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds per call of each variant, interleaved; `clock` is wall time by default, or
+    `time.process_time` (CPU seconds of this process: steadier on a shared machine)."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for fn in variants.values():  # warm-up
@@ -195,11 +201,20 @@ def measure(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, li
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             gc.collect()
-            t0 = time.perf_counter()
+            t0 = clock()
             result = variants[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
             del result
     return times
+
+
+def _loadavg() -> list[float] | None:
+    """The machine's 1/5/15-minute load averages (None where the platform has none): a
+    ratio measured while other work ran is noisier, so it is recorded beside the numbers."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def summarize(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
@@ -255,13 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--pypi-torchlens-python", default=os.environ.get("TORCHLENS_PYPI_PYTHON"))
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall (perf_counter) or cpu (process_time: steadier on a shared machine; use with --threads 1)")
+    ap.add_argument("--note", default="", help="conditions worth recording with the results")
     args = ap.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
 
     report: dict[str, Any] = {
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "threads": torch.get_num_threads(), "rounds": args.rounds, "tokens": args.tokens, "models": {},
+        "threads": torch.get_num_threads(), "rounds": args.rounds, "tokens": args.tokens, "clock": args.clock,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "note": args.note, "loadavg_start": _loadavg(), "models": {},
     }
     for model_name in args.models.split(","):
         if model_name == "gpt2":
@@ -284,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             variants = torchlens_variants(model, x)
             tl_variants = {}
             label = "ResNet-like CNN, 1x3x64x64"
-        times = measure({**variants, **tl_variants}, args.rounds)
+        times = measure({**variants, **tl_variants}, args.rounds, clock)
         summary = summarize({k: times[k] for k in variants}, "plain forward")
         if tl_variants:  # TransformerLens runs its own model: ratio to its own plain forward
             tl_summary = summarize({k: times[k] for k in tl_variants}, "TransformerLens plain")
@@ -300,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:36s} {row['median_s']:10.4f} {row['ratio']:8.3f}")
         del model, x, variants, tl_variants
         gc.collect()
+    report["loadavg_end"] = _loadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

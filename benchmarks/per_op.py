@@ -184,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "threads": torch.get_num_threads(), "rounds": args.rounds,
         "grad": "torch.no_grad()" if args.no_grad else "enabled (as capture.py)",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "clock": args.clock, "note": args.note, "workloads": {},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "clock": args.clock, "note": args.note,
+        "loadavg_start": B._loadavg(), "workloads": {},
     }
     for name in args.workloads.split(","):
         report["workloads"][name] = run_workload(name, args.ops, args.rounds, args.no_grad,
                                                    time.process_time if args.clock == "cpu" else time.perf_counter)
         gc.collect()
+    report["loadavg_end"] = B._loadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

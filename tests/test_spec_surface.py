@@ -18,7 +18,7 @@ SPEC = Path(__file__).resolve().parents[2] / "shared" / "spec"
 
 #: Names the built areas provide (glossary, interventions, facets and mech-interp pages).
 BUILT = frozenset("""
-torchlens.Edit torchlens.Recipe torchlens.Selection torchlens.Selector torchlens.add torchlens.add_noise torchlens.all_sites
+torchlens.io.attach_sidecar torchlens.Edit torchlens.Recipe torchlens.Selection torchlens.Selector torchlens.add torchlens.add_noise torchlens.all_sites
 torchlens.appliances.names torchlens.appliances.register torchlens.backends.BackendProtocol
 torchlens.backends.FrameworkRequirement torchlens.backends.REFUSAL_CODES torchlens.backends.VALIDATION_REASONS
 torchlens.backends.jax torchlens.backends.mlx torchlens.backends.paddle torchlens.backends.tf torchlens.backends.tinygrad torchlens.backends.torch torchlens.clamp torchlens.clip_norm torchlens.errors.AmbiguousAxisError
@@ -27,7 +27,8 @@ torchlens.func torchlens.grad torchlens.in_module torchlens.intervention.BoundMo
 torchlens.intervention.keep_grad torchlens.intervention.scramble_elements torchlens.intervention.set_affine_coordinates
 torchlens.intervention.subspace_ablate torchlens.intervention.subspace_interchange torchlens.io.detect_tlspec_format
 torchlens.io.load_intervention_spec torchlens.io.read_safetensors torchlens.io.save_intervention torchlens.label
-torchlens.label_contains torchlens.label_matches torchlens.load torchlens.mean_ablate torchlens.mechinterp torchlens.mechinterp.FixedPeriodInduction
+torchlens.label_contains torchlens.label_matches torchlens.load torchlens.mean_ablate torchlens.mechinterp torchlens.mechinterp.FixedPeriodInduction torchlens.mechinterp.component_graph torchlens.mechinterp.patch_edges torchlens.mechinterp.edge_scores
+torchlens.mechinterp.circuit_performance_ratio torchlens.mechinterp.circuit_model_difference
 torchlens.model_input torchlens.model_output torchlens.module torchlens.options torchlens.options.CaptureOptions
 torchlens.options.InterventionOptions torchlens.patch_from torchlens.positions torchlens.project_onto
 torchlens.project_out torchlens.replace_with torchlens.report.doctor torchlens.scale torchlens.splice_module torchlens.steer torchlens.subspace
@@ -48,6 +49,7 @@ torchlens.stats.CKA torchlens.stats.Covariance torchlens.stats.CrossCovariance t
 torchlens.stats.Norm torchlens.stats.PCA torchlens.stats.Quantile torchlens.stats.RunningStats torchlens.stats.StreamingStat
 torchlens.stats.TopK torchlens.stats.UnitTopK torchlens.stats.aggregate torchlens.stats.cosine_distance
 torchlens.stats.load_fitted torchlens.stats.relative_l1 torchlens.stats.relative_l2 torchlens.stats.save_fitted
+torchlens.stats.site_stats
 torchlens.record torchlens.recording torchlens.recording.GenerationOptions torchlens.recording.Recorder
 torchlens.recording.reducers torchlens.types.RecordingSettings
 torchlens.distributed.ArmingRecord torchlens.distributed.GroupIdentity torchlens.distributed.arm torchlens.merge_ranks

@@ -20,7 +20,8 @@ import pytest
 import torchlens as tl
 from torchlens.bundle import Bundle, snapshot_params
 from torchlens.bundle import metrics as M
-from torchlens.errors import ArgumentTypeError, ArtifactError, BundleError, InvalidArgumentError
+from torchlens.errors import (ERROR_CODES, ArgumentConflictError, ArgumentTypeError, ArtifactError, BundleError,
+                              InvalidArgumentError)
 from torchlens.viz.bundle_draw import MISSING_FILL, ZERO_FILL, diff_fill
 from torchlens.viz.examples import EventBuilder, example_trace
 
@@ -285,6 +286,32 @@ def test_param_reads_refuse_without_snapshots_and_match_with_them():
     assert not bundle.at("fc1.weight").out["a"].flags.writeable
 
 
+def test_capture_option_snapshot_params_is_validated_and_takes_the_snapshot():
+    from torchlens.bundle.guard import snapshot_of, take_capture_snapshot
+    from torchlens.options import CaptureOptions, TraceOptions
+
+    assert CaptureOptions().snapshot_params is False  # opt-in: one copy of the parameters
+    for bad in ("yes", 1, None):
+        with pytest.raises(InvalidArgumentError) as e:
+            CaptureOptions(snapshot_params=bad)
+        assert e.value.code == "capture_option_invalid" and e.value.fields["field"] == "snapshot_params"
+    on = CaptureOptions(snapshot_params=True)
+    # trace.options records the switch and gives it back for a recapture
+    stored = TraceOptions.from_capture(on, save="all", structure_only=False)
+    assert stored.snapshot_params is True and stored.capture_options() == on
+    a, b = example_trace("mlp"), example_trace("mlp")
+    take_capture_snapshot(a, CaptureOptions())  # switch off: nothing taken
+    take_capture_snapshot(a, None)
+    assert snapshot_of(a) is None
+    take_capture_snapshot(a, on)
+    take_capture_snapshot(b, on)
+    snap = snapshot_of(a)
+    assert sorted(snap) == sorted(a._params) and not snap["fc1.weight"].flags.writeable
+    assert np.array_equal(snap["fc1.weight"], a._params["fc1.weight"].value)
+    assert snap["fc1.weight"] is not a._params["fc1.weight"].value  # a copy, not the live value
+    assert Bundle({"a": a, "b": b}).weight_norm_diff("a", "b")["fc1.weight"] == 0.0
+
+
 def test_snapshots_round_trip_through_a_saved_bundle(tmp_path):
     a, b = example_trace("mlp"), example_trace("mlp")
     b._params["fc1.weight"].value = b._params["fc1.weight"].value + np.float32(1.0)
@@ -331,7 +358,8 @@ def test_relate_checks_rows_and_leaves_the_table_unchanged_on_error():
         (("selected_by", "writer", "router"), {"chosen": True, "candidates": [0, 1]}, "bundle_relation_schema_invalid"),
         (("selected_by", "writer", "router"), {"candidates": [1, 1]}, "bundle_relation_schema_invalid"),
         (("fed_by", "critique", "draft"), {"token_spans": [[5, 3, 0, 1]]}, "bundle_relation_schema_invalid"),
-        (("fed_by", "critique", "draft"), {"token_spans": "auto"}, "bundle_relation_schema_invalid"),
+        (("fed_by", "critique", "draft"), {"token_spans": "auto"}, "bundle_relation_auto_spans_unavailable"),
+        (("fed_by", "critique", "draft"), {"token_spans": "all"}, "bundle_relation_schema_invalid"),
         (("successor_of", "draft", "critique"), {}, "bundle_relation_schema_invalid"),  # a cycle
         (("successor_of", "draft", "draft"), {}, "bundle_relation_schema_invalid"),
     ]
@@ -482,9 +510,14 @@ def test_bare_draw_writes_collision_safe_files_and_prints_the_path(tmp_path, mon
         "bundle_modelgraph_1.dot", "bundle_modelgraph_2.dot", "bundle_diff_1.dot"]
     assert capsys.readouterr().out.split() == [first.path, second.path, diff.path]
     assert open(first.path).read() == str(first)
-    with pytest.raises(InvalidArgumentError) as e:
+    with pytest.raises(ArgumentConflictError) as e:
         bundle.draw("x.svg", file_format="png")
-    assert e.value.code == "file_format_mismatch"
+    assert e.value.code == "draw_format_mismatch" and isinstance(e.value, InvalidArgumentError)
+    assert "file_format_mismatch" not in ERROR_CODES  # the spec's code only, no alias
+    assert not os.path.exists("x.svg") and not os.path.exists("x.png")
+    with pytest.raises(ArgumentConflictError) as e:  # Trace.draw follows the same rule and code
+        a.draw("y.svg", file_format="png")
+    assert e.value.code == "draw_format_mismatch" and not os.path.exists("y.svg")
 
 
 def test_diff_marks_ops_without_a_distance_grey(tmp_path):

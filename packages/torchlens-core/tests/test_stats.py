@@ -144,7 +144,8 @@ def test_histogram_norm_runningstats(data):
 
 @pytest.mark.parametrize("make", [Mean, Covariance, lambda: PCA(2), CKA, lambda: Quantile([0.1, 0.7]),
                                   lambda: TopK(3, unit_axis=-1), lambda: Histogram(8, (995, 1005)), Norm, RunningStats,
-                                  CrossCovariance])
+                                  CrossCovariance, lambda: Quantile([0.2, 0.9], mode="reservoir", size=500, seed=3),
+                                  lambda: Quantile(0.5, mode="reservoir", unit_axis=-1, size=300)])
 def test_save_load_mid_stream_continues_exactly(tmp_path, data, make):
     x, y = data
     two = isinstance(make(), (CKA, CrossCovariance))
@@ -212,8 +213,18 @@ def test_bad_inputs_refuse_typed_before_mutation():
         c.update(np.ones((3, 2)), np.ones((4, 2)))
     assert c.count == 3
     with pytest.raises(InvalidArgumentError) as e:
-        Quantile(0.5, mode="reservoir")
+        Quantile(0.5, mode="tdigest")
     assert e.value.code == "stats_option_unsupported"
+    for bad in ({"size": 0}, {"seed": -1}, {"size": 2.5}):
+        with pytest.raises(InvalidArgumentError) as e:
+            Quantile(0.5, mode="reservoir", **bad)
+        assert e.value.code == "invalid_argument"
+    r = Quantile(0.5, mode="reservoir", size=10).update(np.ones((4, 2)))
+    for bad_ids in ([0, 1], [0.5, 1, 2, 3]):
+        with pytest.raises(InvalidArgumentError) as e:
+            r.update(np.ones((4, 2)), example_ids=bad_ids)
+        assert e.value.code == "stats_input_invalid"
+    assert r.count == 8
 
 
 def _rewrite(path, tensors, meta):
@@ -272,3 +283,48 @@ def test_namespace_and_distances():
     assert abs(float(tl.stats.cosine_distance(a, a))) < 1e-15
     with pytest.raises(InvalidArgumentError):
         tl.stats.relative_l1(a, b[:2])
+
+
+QS = [0.05, 0.25, 0.5, 0.75, 0.95]
+
+
+def _rank_errors(values, estimates, qs):
+    """|F_n(estimate) - q| on the full data (F_n its empirical distribution function)."""
+    v = np.sort(values)
+    return np.array([abs(np.searchsorted(v, e, side="right") / len(v) - q) for e, q in zip(estimates, qs)])
+
+
+def test_reservoir_quantile_within_its_rank_error_bound(data):
+    x, _ = data
+    col = x[:, 2]
+    r = fold(Quantile(QS, mode="reservoir", size=1000, seed=11), col)
+    assert r.count == N and r.state_dict()["values"].shape == (1, 1000)
+    bound = r.rank_error(1e-6)
+    assert 0 < bound < 0.1
+    errs = _rank_errors(col, r.result(), QS)
+    assert np.all(errs <= bound + 1.0 / N), (errs, bound)
+    exact = np.quantile(col, QS)
+    assert not np.allclose(r.result(), exact, rtol=0, atol=1e-12)  # a sample, not the data: the bound is what holds
+    # per unit: one reservoir per feature column, each within the bound on its own column
+    u = fold(Quantile(QS, mode="reservoir", unit_axis=-1, size=1000, seed=5), x)
+    got = u.result()
+    assert got.shape == (D, len(QS))
+    for j in range(D):
+        assert np.all(_rank_errors(x[:, j], got[j], QS) <= u.rank_error(1e-6) + 1.0 / N), j
+
+
+def test_reservoir_holding_everything_is_exact_and_splits_merge_exactly(data):
+    x, _ = data
+    small = fold(Quantile(QS, mode="reservoir", size=N, seed=1), x[:, 0])
+    assert np.array_equal(small.result(), np.quantile(x[:, 0], QS)) and small.rank_error() == 0.0
+    whole = fold(Quantile(QS, mode="reservoir", unit_axis=-1, size=700, seed=2), x)
+    a, b = Quantile(QS, mode="reservoir", unit_axis=-1, size=700, seed=2), Quantile(QS, mode="reservoir", unit_axis=-1,
+                                                                                    size=700, seed=2)
+    for i, part in enumerate(batches(x)):
+        (a if i % 3 else b).update(part, example_ids=range(i * B, i * B + len(part)))
+    merged = b.merge(a)
+    assert merged.count == whole.count == N
+    assert np.array_equal(np.sort(merged.state_dict()["keys"], axis=1), np.sort(whole.state_dict()["keys"], axis=1))
+    assert np.array_equal(merged.result(), whole.result())  # the same sample: the same estimate, bit for bit
+    other_seed = fold(Quantile(QS, mode="reservoir", unit_axis=-1, size=700, seed=3), x)
+    assert not np.array_equal(other_seed.result(), whole.result())

@@ -303,7 +303,7 @@ def test_channels_refuse_rank_layout(blocks):
 def test_file_format_rules(blocks):
     with pytest.raises(InvalidArgumentError) as e:
         blocks.draw("a.svg", file_format="png")
-    assert e.value.code == "file_format_mismatch"
+    assert e.value.code == "draw_format_mismatch"
     with pytest.raises(InvalidArgumentError) as e:
         blocks.draw("a", file_format="bmpx")
     assert e.value.code == "file_format_unsupported"
@@ -357,7 +357,7 @@ def test_all_raised_codes_are_registered():
                  "encoding_requires_dot_layout", "encoding_source_invalid", "encoding_value_invalid",
                  "encoding_callable_error", "encoding_scale_invalid", "scale_requires_size_by",
                  "size_by_rolled_varying", "collapse_plan_unavailable", "collapse_value_invalid",
-                 "graph_render_unavailable", "file_format_mismatch", "file_format_unsupported",
+                 "graph_render_unavailable", "draw_format_mismatch", "file_format_unsupported",
                  "flop_convention_unavailable", "flop_convention_invalid", "flop_keyword_removed",
                  "table_render_unavailable", "draw_option_invalid", "visualization_show_containers_invalid"):
         assert code in ERROR_CODES

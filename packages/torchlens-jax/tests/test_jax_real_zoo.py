@@ -169,6 +169,54 @@ def lstm_scan(params, xs):
     return hs
 
 
+def gru_scan(params, xs):
+    """A GRU written as a step function over `lax.scan` (the form papers' code often takes)."""
+    def cell(h, x):
+        r, z = jnp.split(jax.nn.sigmoid(x @ params["wx"][:, :8] + h @ params["wh"][:, :8]), 2)
+        n = jnp.tanh(x @ params["wx"][:, 8:] + r * (h @ params["wh"][:, 8:]))
+        h = (1 - z) * n + z * h
+        return h, h
+
+    return jax.lax.scan(cell, jnp.zeros((4,)), xs)[1]
+
+
+def _gru_params():
+    k = jax.random.split(jax.random.PRNGKey(5), 2)
+    return {"wx": jax.random.normal(k[0], (3, 12)) * 0.4, "wh": jax.random.normal(k[1], (4, 12)) * 0.4}
+
+
+class GPTBlock(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, d, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+
+class TinyGPT(nnx.Module):
+    """A decoder-only GPT: token + position embeddings, causal attention blocks in an
+    `nnx.List`, a final LayerNorm and an untied head."""
+
+    def __init__(self, vocab=11, d=8, heads=2, n_layers=2, ctx=6, *, rngs):
+        self.tok = nnx.Embed(vocab, d, rngs=rngs)
+        self.pos = nnx.Embed(ctx, d, rngs=rngs)
+        self.blocks = nnx.List([GPTBlock(d, heads, rngs) for _ in range(n_layers)])
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.tok(ids) + self.pos(jnp.arange(ids.shape[-1]))
+        mask = nnx.make_causal_mask(ids)
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(self.ln_f(x))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def jit_static(x, n):
     for _ in range(n):
@@ -235,6 +283,11 @@ def _configs():
     xs = jnp.cos(jnp.arange(5 * 3, dtype=jnp.float32)).reshape(5, 3)
     wbf = (jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10).astype(jnp.bfloat16)
     tree = {"a": X, "bc": (X * 2, X - 1)}
+    rnn = nnx.RNN(nnx.GRUCell(3, 4, rngs=nnx.Rngs(3)))
+    gpt = TinyGPT(rngs=nnx.Rngs(4))
+    ids = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, 11)
+    gpt_mods = {"tok", "pos", "ln_f", "head"} | {f"blocks.{i}{s}" for i in range(2)
+                                                  for s in ("", ".ln1", ".attn", ".attn.query", ".ln2", ".up", ".down")}
     # name: (traced model, args, oracle fn, expected module addresses (called), input kwargs)
     return {
         "nnx_mlp": (mlp, (X,), _nnx_oracle(mlp), {"fc1", "fc2"}),
@@ -242,6 +295,9 @@ def _configs():
         "nnx_transformer": (att, (seq_input(),), _nnx_oracle(att), {"ln1", "attn", "attn.query", "ln2", "up", "down"}),
         "nnx_batchnorm_dropout_train": (state, (X,), _nnx_oracle(state), {"fc", "bn", "drop", "out"}),
         "lstm_lax_scan": (lstm_scan, (_lstm_params(), xs), lstm_scan, set()),
+        "gru_lax_scan": (gru_scan, (_gru_params(), xs), gru_scan, set()),
+        "nnx_rnn_gru": (rnn, (xs[None],), _nnx_oracle(rnn), {"cell"}),
+        "nnx_gpt": (gpt, (ids,), _nnx_oracle(gpt), gpt_mods),
         "eqx_mlp": (eqx_mlp, (X[0],), eqx_mlp, {"layers.0", "layers.1", "layers.2"}),
         "eqx_transformer": (eqx_att, (seq_input(None),), eqx_att, {"ln1", "attn", "up", "down"}),
         "eqx_vmap": (vm, (X,), vm, {"lin"}),
@@ -259,7 +315,7 @@ def _configs():
 CONFIGS = _configs()
 
 
-_SLOW = {"nnx_transformer", "eqx_transformer"}  # the largest op counts: `-m "not slow"` leaves them out
+_SLOW = {"nnx_transformer", "eqx_transformer", "nnx_gpt"}  # the largest op counts: `-m "not slow"` leaves them out
 
 
 @pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n in _SLOW else n for n in sorted(CONFIGS)])

@@ -48,3 +48,36 @@ def hooked(model: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, tor
         for h in handles:
             h.remove()
     return got
+
+
+class MaskedTokenNet(TokenNet):
+    """TokenNet that takes an attention_mask (zeroes padded embeddings), for ragged='trim'."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = self.emb(input_ids) * attention_mask[..., None].to(torch.float32)
+        return self.fc2(self.act(self.fc1(h)))
+
+
+def ragged_data(n: int = 10, t: int = 7, seed: int = 2) -> dict[str, torch.Tensor]:
+    """Right-padded token ids with 1..t real tokens per row (pad id 0, mask 0 on padding)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).to(torch.int64)
+    ids = torch.randint(1, 40, (n, t), generator=g) * mask
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class LoopNet(TokenNet):
+    """fc1 runs once per row of the batch (drift: a short batch fires at fewer passes), and not
+    at all for a batch of fewer than `skip_below` rows (no fire)."""
+
+    def __init__(self, skip_below: int = 0, per_row: bool = False) -> None:
+        super().__init__()
+        self.skip_below, self.per_row = skip_below, per_row
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        if ids.shape[0] >= self.skip_below:
+            for _ in range(ids.shape[0] if self.per_row else 1):
+                h = self.fc1(h)[..., :8]
+        return h

@@ -39,9 +39,12 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
 def rank_main(rank: int, world: int, out: str, init: str) -> None:
     import torch.distributed as dist
 
-    import torchlens_torch.distributed_data  # noqa: F401  (registers the provider)
-
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    # no `import torchlens_torch.distributed_data`: the torch plugin finds the group by itself
+    if init == "env://":  # launched by torchrun: rank, world size and rendezvous come from the environment
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    else:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         res = tl.stats.aggregate(token_model(), loader(), metrics(), loss_fn=loss_fn)
         for key, acc in res.items():
@@ -64,3 +67,5 @@ if __name__ == "__main__":
     elif mode == "ranks":
         out, init = sys.argv[2], sys.argv[3]
         torch.multiprocessing.spawn(rank_main, args=(2, out, init), nprocs=2, join=True)
+    elif mode == "torchrun":  # torchrun --nproc-per-node 2 ... extract_worker.py torchrun OUTDIR
+        rank_main(-1, -1, sys.argv[2], "env://")

@@ -239,12 +239,32 @@ def test_aggregate_refusals_before_running():
 
 
 def test_two_process_gloo_run_equals_one_process(tmp_path):
-    from extract_worker import loader, loss_fn, metrics
-
     init = f"file://{tmp_path / 'rendezvous'}"
     proc = subprocess.run([sys.executable, str(HERE / "extract_worker.py"), "ranks", str(tmp_path), init],
                           capture_output=True, timeout=240)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    _check_two_ranks(tmp_path)
+
+
+def test_torchrun_two_processes_equal_one_process(tmp_path):
+    """The command docs/guides/datasets.md gives, on loopback, with no manual provider import."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(torchrun + [str(HERE / "extract_worker.py"), "torchrun", str(tmp_path)],
+                          capture_output=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    _check_two_ranks(tmp_path)
+
+
+def _check_two_ranks(tmp_path):
+    from extract_worker import loader, loss_fn, metrics
+
     single = tl.stats.aggregate(token_model(), loader(), metrics(), loss_fn=loss_fn)
     for key, acc in single.items():
         safe = "".join(c if c.isalnum() else "_" for c in key)
@@ -288,8 +308,8 @@ def test_option_and_group_refusals():
     import torchlens_torch.distributed_data  # noqa: F401  (registers the provider; no group is initialised here)
 
     x = token_data(n=8)
-    for kwargs, code in (({"intervene": tl.when(tl.module("fc1"), tl.zero_ablate())}, "extraction_option_unsupported"),
-                         ({"ragged": "trim"}, "extraction_option_unsupported"),
+    for kwargs, code in (({"intervene": "zero fc1"}, "invalid_argument"),
+                         ({"ragged": "pad"}, "extraction_option_unsupported"),
                          ({"distributed": "yes"}, "distributed_group_invalid"),
                          ({"distributed": True}, "distributed_unavailable"),
                          ({"batch_size": 0}, "extraction_dataset_invalid")):
@@ -312,3 +332,117 @@ def test_ready_batches_and_one_shot_iterators(tmp_path):
     with pytest.raises(InvalidArgumentError) as e:
         tl.extract_dataset(model, iter(batches), ["fc2"], batch_size=None)
     assert e.value.code == "extraction_dataset_invalid"
+
+
+def test_manifest_signature_records_the_lens_model_identity(tmp_path):
+    from torchlens.lens import model_identity
+
+    model, x = token_model(), token_data(n=8)
+    tl.extract_dataset(model, x, LAYERS, batch_size=4, path=tmp_path / "a")
+    ident = json.loads((tmp_path / "a" / "manifest.json").read_text())["signature"]["model_identity"]
+    assert ident == model_identity(tl.trace(model, x[:2]))  # the record a user lens compares against
+    with torch.no_grad():
+        model.fc2.bias.add_(1.0)
+    tl.extract_dataset(model, x, LAYERS, batch_size=4, path=tmp_path / "b")
+    changed = json.loads((tmp_path / "b" / "manifest.json").read_text())["signature"]["model_identity"]
+    assert changed["param_hash_full"] != ident["param_hash_full"]
+    assert changed["param_hash_full"] == model_identity(tl.trace(model, x[:2]))["param_hash_full"]
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_ragged_trim_stores_no_padding_token_rows(tmp_path, disk):
+    from extract_models import MaskedTokenNet, ragged_data
+
+    torch.manual_seed(0)
+    model, data = MaskedTokenNet().eval(), ragged_data()
+    mask = data["attention_mask"].numpy()
+    # the oracle: forward hooks on one plain forward over every row, then the real tokens picked by the mask
+    got_hook = {}
+    handles = [model.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: got_hook.__setitem__(n, o.detach()))
+               for n in ("fc1", "act")]
+    with torch.no_grad():
+        model(**data)
+    for h in handles:
+        h.remove()
+    r = tl.extract_dataset(model, data, ["fc1", "act"], batch_size=4, ragged="trim", store_input_ids=True,
+                           path=tmp_path / "run" if disk else None)
+    rows = r.token_rows()
+    real = mask.astype(bool)
+    assert rows.num_tokens == int(mask.sum())  # padding is never a token row
+    assert np.array_equal(rows.stimulus_row, np.nonzero(real)[0]) and np.array_equal(rows.position, np.nonzero(real)[1])
+    assert np.array_equal(rows.values["input_ids"], data["input_ids"].numpy()[real])
+    for n in ("fc1", "act"):
+        assert np.array_equal(rows.values[n], got_hook[n].numpy()[real]), n
+    for i in range(r.num_shards):  # each shard is trimmed to its batch's longest real row
+        sl = slice(4 * i, 4 * i + 4)
+        assert r.shard(i, ["fc1"])["fc1"].shape[1] == int(mask[sl].sum(1).max())
+    with pytest.raises(InvalidArgumentError) as e:
+        r["fc1"]  # widths differ between shards: no silent padding or concatenation error
+    assert e.value.code == "invalid_argument"
+
+
+def test_ragged_trim_refusals():
+    from extract_models import MaskedTokenNet, ragged_data
+
+    data = ragged_data(n=4)
+    with pytest.raises(InvalidArgumentError) as e:
+        tl.extract_dataset(token_model(), data["input_ids"], LAYERS, batch_size=2, ragged="trim")
+    assert e.value.code == "extraction_dataset_invalid"  # no attention_mask to trim by
+    with pytest.raises(InvalidArgumentError) as e:
+        tl.extract_dataset(MaskedTokenNet(), data, LAYERS, batch_size=2, ragged="pad")
+    assert e.value.code == "extraction_option_unsupported"
+    bad = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"] * 2}
+    with pytest.raises(InvalidArgumentError) as e:
+        tl.extract_dataset(MaskedTokenNet(), bad, LAYERS, batch_size=2, ragged="trim")
+    assert e.value.code == "extraction_dataset_invalid"
+
+
+def _zeroed_hooks(model, x, names):
+    """The oracle of an intervened extraction: fc1's output zeroed by a forward hook."""
+    zero = model.fc1.register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+    try:
+        return hooked(model, x, names)
+    finally:
+        zero.remove()
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_intervened_extraction_stores_the_intervened_rows(tmp_path, disk):
+    model, x = token_model(), token_data(n=10)
+    spec = tl.when(tl.module("fc1"), tl.zero_ablate())
+    r = tl.extract_dataset(model, x, ["act", "fc2"], batch_size=4, intervene=spec, path=tmp_path / "run" if disk else None)
+    want = _zeroed_hooks(model, x, ["act", "fc2"])
+    for n in ("act", "fc2"):
+        assert np.array_equal(r[n], want[n].numpy()), n
+    assert not np.array_equal(r["fc2"], hooked(model, x, ["fc2"])["fc2"].numpy())  # it did change the rows
+    block = r.manifest["tl_counterfactual_harvest_v1"]
+    assert block["policy"] == "intervene" and block["engine"] == "live_hook" and block["address_class"] == ["module"]
+    fc1_label = [o.label for o in tl.trace(model, x[:4]).ops if o.module == "fc1"]
+    assert block["site_keys"] == fc1_label
+    assert [e["fire_receipt"] for e in r.manifest["shards"]] == [{"index": i, "fired": {fc1_label[0]: 1}} for i in range(3)]
+    assert r.manifest["signature"]["intervention"]["recipe_digest"] == spec.digest
+    if disk:  # the intervention identity is in the resume signature: a clean resume of this run refuses
+        with pytest.raises(ArtifactError) as e:
+            tl.extract_dataset(model, x, ["act", "fc2"], batch_size=4, path=tmp_path / "run", resume=True)
+        assert e.value.code == "extraction_resume_signature_mismatch" and "intervention" in e.value.fields["differs"]
+        again = tl.extract_dataset(model, x, ["act", "fc2"], batch_size=4, intervene=spec, path=tmp_path / "run",
+                                   resume=True)
+        assert np.array_equal(again["fc2"], want["fc2"].numpy())
+
+
+def test_intervened_extraction_site_freeze_and_refusals():
+    from extract_models import LoopNet
+
+    x = token_data(n=10)
+    spec = tl.when(tl.module("fc1"), tl.zero_ablate())
+    cases = [(LoopNet(per_row=True), spec, "extraction_intervention_site_drift"),  # last batch: 2 passes, not 4
+             (LoopNet(skip_below=3), spec, "extraction_intervention_no_fire"),  # last batch skips fc1
+             (token_model(), tl.when(tl.label("relu_1_3"), tl.zero_ablate()), "harvest_address_class_ungated"),
+             (token_model(), tl.when(tl.module("fc1"), tl.mean_ablate(dim=0)), "extraction_intervention_batch_coupled")]
+    for model, s, code in cases:
+        torch.manual_seed(0)
+        with pytest.raises(InvalidArgumentError) as e:
+            tl.extract_dataset(model, x, ["emb"], batch_size=4, intervene=s)
+        assert e.value.code == code, code
+    clean = tl.extract_dataset(token_model(), x, ["fc2"], batch_size=4)
+    assert clean.manifest["tl_counterfactual_harvest_v1"] == {"policy": "none"}

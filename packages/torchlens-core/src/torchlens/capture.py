@@ -53,6 +53,9 @@ def _trace(model: Any, args: tuple, save: Any, capture: CaptureOptions | None, b
                                   remedy="finish the outer capture first; trace the inner model separately")
     kwargs = dict(input_kwargs or {})
     proto = select_backend(model, args, kwargs, backend)
+    reduce_to_stats = isinstance(save, str) and save == "stats"  # issue 23 reduce and discard (stats/reduce.py)
+    if reduce_to_stats:
+        save = "all"
     intervene = trace_options.pop("intervene", None)
     on_zero_fire = trace_options.pop("on_zero_fire", "warn")
     facets = trace_options.pop("facets", None)  # recipes only this trace sees (issue 15); the backend never sees it
@@ -90,10 +93,18 @@ def _trace(model: Any, args: tuple, save: Any, capture: CaptureOptions | None, b
 
     check_saved_matches(result, save, proto.name)
     check_save_budget(result, capture)
+    if reduce_to_stats:
+        from torchlens.stats.reduce import reduce_trace
+
+        reduce_trace(result)
     _stamp_identity(result, proto, args, kwargs)
     from torchlens.facets.registry import stamp  # the trace's immutable facet-registry snapshot (loads no recipe)
 
     stamp(result, facets)
+    if capture is not None and getattr(capture, "snapshot_params", False):
+        from torchlens.bundle.guard import take_capture_snapshot  # the parameters this forward read, for Bundle checks
+
+        take_capture_snapshot(result, capture)
     return result
 
 

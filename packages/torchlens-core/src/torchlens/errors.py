@@ -161,7 +161,6 @@ _register("InvalidArgumentError", {
     "device_unavailable": "the forward asked for a device this machine does not have",
     "edit_detached_from_graph": "a keep_grad edit wrote values with no autograd graph",
     "graph_render_unavailable": "the graphviz 'dot' program needed to render a picture is missing",
-    "file_format_mismatch": "file_format disagrees with the path's extension",
     "file_format_unsupported": "draw() was asked for an output format it cannot write",
     "graph_render_failed": "the graphviz 'dot' program failed on the generated DOT source",
     "visualization_theme_invalid": "draw(theme=...) names no known theme",
@@ -545,7 +544,16 @@ class ArgumentTypeError(InvalidArgumentError, TypeError):
     """A keyword or argument a verb does not take (in this form)."""
 
 
-__all__ += ["BundleError", "ArgumentTypeError"]
+class ArgumentConflictError(InvalidArgumentError):
+    """Two arguments that each make sense alone but disagree (a file_format that contradicts
+    the path's extension)."""
+
+
+__all__ += ["BundleError", "ArgumentTypeError", "ArgumentConflictError"]
+_register("ArgumentConflictError", {
+    "draw_format_mismatch": "draw(path, file_format=...): file_format disagrees with the path's extension "
+                            "(Trace.draw and Bundle.draw)",
+})
 _register("InvalidArgumentError", {
     "bundle_member_invalid": "a Bundle member is not a Trace, or its name is not a non-empty string",
     "bundle_member_exists": "Bundle.add was given a name the bundle already holds",
@@ -576,6 +584,26 @@ _register("BundleError", {
     "bundle_relation_member_missing": "a relation row names a member the bundle does not hold",
     "bundle_relation_evidence_over_budget": "a relation row's evidence is larger than 1 MiB (as JSON)",
     "bundle_relation_span_out_of_bounds": "a fed_by token span reaches past the end of a member's bound token stream",
+    "bundle_relation_span_unverified": "a fed_by row claims verified/matched spans that the members' bound token "
+                                       "streams contradict (ids differ, a source span outside the completion range, "
+                                       "a digest that no longer matches)",
+    "bundle_token_divergence_unavailable": "Bundle.token_divergence: a member has no token-stream binding with a "
+                                           "completion range and retained ids (fields member, reason)",
+    "bundle_relation_auto_spans_unavailable": "fed_by token_spans='auto': the source has no bound completion range, "
+                                              "or a member's token ids were not retained",
+    "bundle_relation_auto_spans_ambiguous": "fed_by token_spans='auto': a run of the source's output has several "
+                                            "placements in the reader's prompt (a repeated quote, or a tie of trims)",
+    "bundle_relation_auto_spans_unmatched": "fed_by token_spans='auto': a run of the source's output is not in the "
+                                            "reader's prompt, even with two boundary tokens trimmed per side",
+    "alternative_target_missing": "Bundle.add_alternative: a steered call is absent from either run (field side)",
+    "alternative_target_unsteered": "Bundle.add_alternative: a declared steered call was captured without a spec "
+                                    "that fired",
+    "alternative_steer_undeclared": "Bundle.add_alternative: another second-run call was captured under a spec",
+    "alternative_member_name_taken": "Bundle.add_alternative: a copy would reuse a member name; pass another prefix",
+    "alternative_unchanged_call_diverged": "Bundle.add_alternative: an unsteered call saw the same prompt but wrote "
+                                           "different text (noise TorchLens cannot separate from the steer)",
+    "token_binding_invalid": "a torchlens.boundary_facts token_boundary_v1 descriptor is malformed or disagrees "
+                             "with the trace's own token ids",
 })
 _register("ArtifactError", {
     "bundle_artifact_malformed": "a saved bundle's manifest.json or relations.json is malformed or does not match "
@@ -641,6 +669,8 @@ _register("FacetLookupError", {
     "facet_unknown": "no structural output or recipe of this module declares the facet name",
     "facet_structurally_absent": "a recipe declares the facet but this module's structure has no such value "
                                  "(e.g. resid_mid on a parallel-residual block)",
+    "facet_invalidated": "an edit marked the facet stale on this trace (trace.annotations['mi_invalidated_facets'], "
+                         "set by the mechinterp kit's patch_head): it does not hold the run's value",
 })
 _register("SelectorCompositionError", {
     "facet_selector_unsupported": "a facet selector was resolved as plain sites (trace[...], find_sites, a "
@@ -664,7 +694,10 @@ _register("FacetError", {
     "facet_grad_unavailable": "a MissingGrad sentinel was used as a tensor: the facet has no saved gradient",
     "facet_child_unknown": "child_output_spec/parameter_spec named no child module or parameter of the module",
     "facet_reconstruction_mismatch": "a reconstructed facet (fused-attention pattern, per-head result) failed its "
-                                     "check against the captured op output; it is not served",
+                                     "check against the captured op output (beyond the rounding the dtype allows); "
+                                     "it is not served",
+    "facet_annotation_invalid": "trace.annotations['mi_invalidated_facets'] is not a mapping of module address to "
+                                "facet names",
 })
 
 
@@ -685,7 +718,23 @@ _register("InvalidArgumentError", {
     "distributed_group_invalid": "distributed= is not True/False/None or a data-parallel group object",
     "distributed_unavailable": "distributed=True but no data-parallel group is initialised",
     "extraction_option_unsupported": "an extract_dataset option that is not built yet was requested "
-                                     "(intervene=, ragged=)",
+                                     "(a ragged= other than 'trim')",
+    "harvest_address_class_ungated": "intervened extraction got a spec addressed finer than by module or op type "
+                                     "(or a gradient rule)",
+    "extraction_intervention_batch_coupled": "an intervene= helper does not declare is_batch_independent=True, so "
+                                             "stored rows would depend on the batching",
+    "extraction_intervention_no_fire": "an intervened extraction batch where the spec fired nowhere",
+    "extraction_intervention_site_drift": "an intervened extraction batch whose fired sites differ from the sites "
+                                          "batch zero froze",
+    "stats_capture_not_replayable": "replay, an edit, a fork, a re-run or validation was asked of a save='stats' "
+                                    "trace, which kept per-op RunningStats and no payloads",
+    "stats_capture_required": "tl.stats.site_stats got a trace that was not captured with save='stats'",
+    "stats_aggregate_cache_unkeyable": "tl.stats.aggregate(cache=True) cannot key the run by value (a batch, "
+                                       "accumulator, encoder or loss_fn it cannot hash)",
+})
+_register("PayloadUnavailableError", {
+    "activation_reduced_to_stats": "a payload was read from a save='stats' trace: the out was folded into a "
+                                   "RunningStats and discarded",
 })
 _register("ArtifactError", {
     "stats_state_invalid": "a tl.stats state file is unreadable, damaged or does not fit its accumulator kind",
@@ -809,6 +858,29 @@ _register("MechInterpError", {
     "mi_kv_expansion_ambiguous": "several candidate K/V expansion ops in one attention call: the query-head copy to "
                                  "patch is ambiguous",
     "mi_kv_heads_not_grouped": "query and key/value head counts are equal: there is no grouped K/V to expand",
+})
+
+# --- area: mechinterp kit part 2 (issue 17) ---
+_register("MechInterpError", {
+    "mi_edge_graph_nonadditive": "component_graph: the residual stream is not additive under the input / head / "
+                                 "bias / MLP decomposition (rescaled stream, other writer, a receiver not the sum "
+                                 "of its senders, not pre-norm)",
+    "mi_edge_graph_gqa_unsupported": "component_graph: grouped-query attention (fewer key/value heads than query "
+                                     "heads) is not supported by the edge graph",
+    "mi_edge_unknown": "patch_edges: an edge is not in the trace's component graph",
+    "mi_edge_patch_edge_repeated": "patch_edges: an edge was passed more than once",
+    "mi_edge_corrupted_graph_invalid": "patch_edges: corrupted_graph= is not a ComponentGraph",
+    "mi_edge_patch_not_replayable": "patch_edges: the trace was not captured replayable",
+    "mi_edge_scores_setting_invalid": "edge_scores: method / steps / example_reduction is not a valid setting, or "
+                                      "the model offers no hook point the scores need",
+    "mi_edge_scores_metric_invalid": "edge_scores: the metric is not callable or does not return one value per "
+                                     "example",
+    "mi_edge_scores_inputs_mismatched": "edge_scores / patch_edges: the corrupted input (or graph) differs in shape "
+                                        "from the clean one",
+    "mi_edge_scores_shared_norm": "edge_scores: one norm feeds several blocks (shared attention/MLP norm): a "
+                                  "receiver-local gradient is not defined",
+    "mi_faithfulness_curve_invalid": "circuit_performance_ratio / circuit_model_difference: the faithfulness curve "
+                                     "is malformed (length, order, range, non-finite)",
 })
 
 # --- area: tf backend (issue 19) ---

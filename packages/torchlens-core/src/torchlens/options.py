@@ -33,6 +33,10 @@ class CaptureOptions:
       The torch backend charges each payload before keeping it and stops the forward at the
       first one over the budget (with a `save=` selector, every payload held until the
       selection is resolved counts); other backends are checked after the capture.
+    - `snapshot_params` (experimental): right after the capture, keep a read-only host copy
+      of every parameter value the trace recorded (`torchlens.bundle.snapshot_params`), the
+      capture-time evidence a Bundle's cross-member parameter reads need (else they refuse
+      with `checkpoint_series_live_params`). Costs one copy of the model's parameters.
     """
 
     save_mode: str = "copy"
@@ -45,6 +49,7 @@ class CaptureOptions:
     seed: int | None = None
     on_nonfinite: str = "ignore"
     save_budget: Any = "auto"
+    snapshot_params: bool = False
 
     def __post_init__(self) -> None:
         if not (self.save_budget in ("auto", None) or (isinstance(self.save_budget, int) and not isinstance(self.save_budget, bool)
@@ -63,7 +68,7 @@ class CaptureOptions:
         if self.inference_only and (self.backward_ready or self.save_grads):
             raise InvalidArgumentError("capture_option_invalid", "inference_only=True conflicts with backward_ready/save_grads",
                                        remedy="drop inference_only or the gradient options", field="inference_only")
-        for name in ("detach_saved_activations", "backward_ready", "save_grads", "carry_state"):
+        for name in ("detach_saved_activations", "backward_ready", "save_grads", "carry_state", "snapshot_params"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError("capture_option_invalid", f"{name} must be a bool", remedy=f"{name}=True or False",
                                            field=name)

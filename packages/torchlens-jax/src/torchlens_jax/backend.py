@@ -196,6 +196,29 @@ def _record_state_writes(backend: JAXBackend, trace: Any, desc: Description, wri
             rec._attribute_writes[name] = AttributeWrite("replaced", backend.host_copy(value))
 
 
+def _note_buffer_write(ev: OpEvent, address: str) -> None:
+    ev.meta["buffer_write"] = tuple(dict.fromkeys((*ev.meta.get("buffer_write", ()), address)))
+
+
+def _linen_buffer_writes(interp: Interpreter, desc: Description, kwargs: dict, output: Any, outs: list) -> None:
+    """`module.apply(variables, x, mutable=[...])` returns `(y, updated collections)`: each
+    updated variable that names a buffer (batch_stats, ...) marks the op that computed its
+    new value as a version of that buffer (`meta["buffer_write"]`, `Buffer.versions`)."""
+    from collections.abc import Mapping
+
+    if not kwargs.get("mutable") or not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], Mapping)):
+        return
+    n_first = len(jax.tree_util.tree_leaves(output[0]))
+    flat, _ = jax.tree_util.tree_flatten_with_path(output[1])
+    buffers = {a for a, p in zip(desc.addresses, desc.is_param) if not p}
+    for (path, _), (_, src) in zip(flat, outs[n_first:]):
+        names = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        address = desc.variable_address.get(names)
+        ev = interp.op_events.get(src[1]) if src[0] == "ev" else None
+        if address in buffers and ev is not None:
+            _note_buffer_write(ev, address)
+
+
 def clear_trace_cache() -> None:
     with _TRACE_LOCK:
         _TRACE_CACHE.clear()
@@ -208,7 +231,7 @@ class JAXBackend:
     maturity = "preview"
     framework = FRAMEWORK
     materialization = "eager"
-    _OPTIONS = frozenset({"save", "capture", "replay_rng"})
+    _OPTIONS = frozenset({"save", "capture", "replay_rng", "loops", "param_args"})
     #: Refusals of this backend beyond those `refusal_codes_for` derives from capabilities().
     _OWN_REFUSALS = frozenset({"foreign_tensor_input", "value_dependent_branch_unsupported"})
 
@@ -299,7 +322,8 @@ class JAXBackend:
         return model(*args, **kwargs)
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
-                replay_rng: bool = True, _edit_plan: Any = None, **options: Any) -> Any:
+                replay_rng: bool = True, _edit_plan: Any = None, loops: str = "unrolled", param_args: Any = None,
+                **options: Any) -> Any:
         t_entry = time.perf_counter()  # setup_duration: from here to the forward's start
         # the same pre-capture refusals tl.trace makes, for callers that reach capture directly
         check_requested_capabilities(self, capture, options)
@@ -307,6 +331,11 @@ class JAXBackend:
             raise InvalidArgumentError("invalid_argument", f"replay_rng= takes a bool, not {type(replay_rng).__name__}",
                                        remedy="replay_rng=True (JAX keys are recorded inputs: draws always replay)",
                                        option="replay_rng")
+        if loops not in ("unrolled", "rolled"):
+            raise InvalidArgumentError("invalid_argument", f"loops= takes 'unrolled' or 'rolled', not {loops!r}",
+                                       remedy="loops='unrolled' (each step's ops, one module call per step; at most "
+                                              "1,024 steps) or loops='rolled' (each scan / while loop one op, any length)",
+                                       option="loops")
         plan = save_plan(save)
         model = unwrap_jit(model)  # nnx.jit / eqx.filter_jit: trace what they wrap (jitted code is stepped into anyway)
         if model_kind(model) is None:
@@ -319,21 +348,30 @@ class JAXBackend:
             module, variables, args, kwargs = split_linen(model, args, kwargs)
             _refuse_tracers("variable", jax.tree_util.tree_leaves(variables))
             desc = describe_linen(module, variables, args, kwargs)
+        if param_args is not None:  # the caller names the arguments holding parameters
+            if model_kind(model) != "function":
+                raise InvalidArgumentError("invalid_argument", "param_args= is for plain functions; a module's "
+                                           "parameters are named from the module already",
+                                           remedy="drop param_args=", option="param_args")
+            from torchlens_jax.describe import describe_function_params
+
+            desc, args, kwargs = describe_function_params(model, args, kwargs, param_args)
         inputs, all_leaves, positions, treedef = _input_leaves(args, kwargs)
         _refuse_tracers("input", [x for _, x in inputs], [p for p, _ in inputs])
-        if model_kind(model) != "linen":
+        if model_kind(model) != "linen" and param_args is None:
             desc = describe(model)
         _refuse_tracers("model leaf", list(desc.leaves), list(desc.addresses))
         start = time.perf_counter()
         prov = Provenance("jax", backend_version=__version__, framework_version=jax.__version__, model_class=desc.root_class,
                           start_time=time.time(), root_entry_point="function" if desc.kind == "function" else "module")
         prov.extra["model_kind"] = desc.kind
+        prov.extra["loops"] = loops
         prov.extra["setup_duration"] = start - t_entry  # refusals, model description, input leaves
         arrays = [x for _, x in inputs]
         log = EventLog()
         try:
             traced = trace_model(desc, model, all_leaves, positions, treedef, arrays)
-            interp = Interpreter(traced, log, desc.addresses, desc.is_param, edit_plan=_edit_plan)
+            interp = Interpreter(traced, log, desc.addresses, desc.is_param, edit_plan=_edit_plan, rolled=loops == "rolled")
             outs = interp.run(list(desc.leaves), inputs)
         except (BackendUnsupportedError, InvalidArgumentError):
             raise
@@ -368,6 +406,10 @@ class JAXBackend:
             ev = interp.op_events.get(src[1]) if src[0] == "ev" else None
             if ev is not None:
                 ev.meta["state_write"] = desc.addresses[i]
+                if not desc.is_param[i]:  # a buffer's new value: a recorded version of it
+                    _note_buffer_write(ev, desc.addresses[i])
+        if desc.kind == "linen":
+            _linen_buffer_writes(interp, desc, kwargs, output, outs)
         trace = build_trace(desc.info, log, output=output, provenance=prov, options=capture, backend=self)
         if desc.state_after is not None:
             _record_state_writes(self, trace, desc, traced.written, writes)
@@ -420,7 +462,12 @@ class JAXBackend:
         if not all(type(k) is str for k in params) or not _plain_data(params):
             return None
         prim = primitive_table().get(name)
-        return None if prim is None else PrimitiveCall(prim, dict(params))
+        if prim is None:
+            return None
+        placed = op.meta.get("in_shardings")
+        if placed is not None:  # inputs sharded over several devices: place them the same way, or stay opaque
+            return _sharded_call(prim, dict(params), placed)
+        return PrimitiveCall(prim, dict(params))
 
     def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
         from torchlens_jax.validate import validate_trace
@@ -452,6 +499,33 @@ def _scan_op(spec: Any) -> Any:
     if spec.get("op") == "stack" and set(spec) == {"op", "reverse"} and type(spec["reverse"]) is bool:
         return ScanStack(spec["reverse"])
     return None
+
+
+def _sharded_call(prim: Any, params: dict, placed: Any) -> Any:
+    """A ShardedPrimitiveCall from a loaded op's `meta["in_shardings"]` (each entry None or
+    {"axes": ((name, size), ...), "types": (...), "spec": (...)}), or None when the data is
+    malformed or this process has fewer devices than the recorded mesh."""
+    from torchlens_jax.interpret import ShardedPrimitiveCall
+
+    if type(placed) is not tuple or not _plain_data(placed):
+        return None
+    for entry in placed:
+        if entry is None:
+            continue
+        if type(entry) is not dict or set(entry) != {"axes", "types", "spec"}:
+            return None
+        axes, types, spec = entry["axes"], entry["types"], entry["spec"]
+        if not (type(axes) is tuple and all(type(a) is tuple and len(a) == 2 and type(a[0]) is str and type(a[1]) is int
+                                             and a[1] > 0 for a in axes)):
+            return None
+        if not (type(types) is tuple and all(type(t) is str and t in jax.sharding.AxisType.__members__ for t in types)):
+            return None
+        if not (type(spec) is tuple and all(e is None or type(e) is str
+                                            or (type(e) is tuple and all(type(x) is str for x in e)) for e in spec)):
+            return None
+        if int(np.prod([k for _, k in axes])) > jax.device_count():
+            return None
+    return ShardedPrimitiveCall(prim, params, placed)
 
 
 def _plain_data(value: Any, depth: int = 0) -> bool:

@@ -38,6 +38,9 @@ class Description:
     #: rebuilt model after its forward -> its state leaves (same order as `leaves`), or None
     #: when a forward cannot write state (equinox, functions: state is explicit there)
     state_after: Callable[[Any], list[Any] | None] | None = None
+    #: flax.linen: (collection, key, ...) path of each variable -> its address (what an updated
+    #: collection returned by `apply(..., mutable=...)` names)
+    variable_address: dict[tuple[str, ...], str] = field(default_factory=dict)
 
 
 #: (module, class name) of the jit wrappers whose `__wrapped__` is traced in their place.
@@ -181,6 +184,7 @@ def describe_linen(module: Any, variables: Any, args: tuple, kwargs: dict) -> De
     for (path, leaf), n, s in zip(flat, names, short):
         address = s if short.count(s) == 1 and s else ".".join(n)
         _add_leaf(desc, address, leaf, n[0] == "params", mods)
+        desc.variable_address[tuple(n)] = address
     try:
         hash(module)
         desc.cache_key = _leaf_key(("linen", module, treedef), desc.leaves)  # the module itself: its config is in its hash
@@ -230,6 +234,66 @@ def _describe_function(fn: Any) -> Description:
     except TypeError:
         key = None
     return Description("function", name, info, rebuild=lambda leaves: fn, modules_of=lambda m: [], cache_key=key)
+
+
+def describe_function_params(fn: Any, args: tuple, kwargs: dict, param_args: Any) -> tuple[Description, tuple, dict]:
+    """A plain function whose caller says which arguments hold its parameters
+    (`param_args=(0,)` or `("params",)`: positional indices or keyword names; never guessed):
+    every array leaf of those arguments is a parameter named by its pytree path
+    (`params['Dense_0']['kernel']` -> `Dense_0.kernel`); the other arguments stay inputs.
+    Returns the description and the remaining call args and kwargs."""
+    from torchlens.backends.sdk import InvalidArgumentError
+
+    spec = tuple(param_args) if isinstance(param_args, (tuple, list)) else (param_args,)
+    bad = [p for p in spec if not ((type(p) is int and 0 <= p < len(args)) or (type(p) is str and p in kwargs))]
+    if not spec or bad or len(set(spec)) != len(spec):
+        raise InvalidArgumentError(
+            "invalid_argument", f"param_args={param_args!r} does not name positional indices or keyword inputs of this call"
+            + (f" ({bad[0]!r})" if bad else ""),
+            remedy="param_args=(0,) for tl.trace(fn, params, x), or ('params',) with input_kwargs={'params': ...}",
+            option="param_args")
+    trees = [(p, args[p] if type(p) is int else kwargs[p]) for p in spec]
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    info = ModelInfo(name, modules=[ModuleInfo("self", name, getattr(fn, "__qualname__", name))])
+    defs = []
+    desc = Description("function", name, info, modules_of=lambda m: [])
+    for p, tree in trees:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        defs.append((p, treedef, len(flat)))
+        for path, leaf in flat:
+            if not isinstance(leaf, (jax.Array, np.ndarray)):
+                raise InvalidArgumentError("invalid_argument", f"param_args: the leaf {jax.tree_util.keystr(path)} of "
+                                           f"argument {p!r} is a {type(leaf).__name__}, not an array",
+                                           remedy="pass parameters as a pytree of arrays", option="param_args")
+            address = ".".join(_key_text(k) for k in path) or (f"args{p}" if type(p) is int else str(p))
+            if len(trees) > 1:
+                address = (f"args{p}" if type(p) is int else str(p)) + ("." + address if path else "")
+            _add_leaf(desc, address, leaf if isinstance(leaf, jax.Array) else jax.numpy.asarray(leaf), True, [])
+    positions = sorted(p for p in spec if type(p) is int)
+    rest_args = tuple(a for i, a in enumerate(args) if i not in positions)
+    rest_kwargs = {k: v for k, v in kwargs.items() if k not in spec}
+
+    def rebuild(leaves: list[Any]) -> Any:
+        given, at = {}, 0
+        for p, treedef, n in defs:
+            given[p] = jax.tree_util.tree_unflatten(treedef, leaves[at:at + n])
+            at += n
+
+        def call(*a: Any, **k: Any) -> Any:
+            full = list(a)
+            for i in positions:
+                full.insert(i, given[i])
+            return fn(*full, **k, **{p: v for p, v in given.items() if type(p) is str})
+
+        return call
+
+    desc.rebuild = rebuild
+    try:
+        hash((fn, spec))
+        desc.cache_key = _leaf_key(("function_params", fn, spec, tuple(d[1] for d in defs)), desc.leaves)
+    except TypeError:
+        desc.cache_key = None
+    return desc, rest_args, rest_kwargs
 
 
 # flax.nnx -----------------------------------------------------------------------------------

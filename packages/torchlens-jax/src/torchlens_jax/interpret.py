@@ -6,7 +6,10 @@ layer norm are recorded one op each. Control flow is unrolled with real values: 
 follows the branch its index selects, `while` and `scan` run their bodies iteration by
 iteration (a scan's per-step slices and final stacking are recorded as `scan_slice` and
 `scan_stack` ops), up to `MAX_UNROLL` iterations; past that the capture refuses with
-`value_dependent_branch_unsupported` rather than record a partial loop.
+`value_dependent_branch_unsupported` rather than record a partial loop. A module called in a
+loop body is one module call per iteration (the traced call table names it once; each
+iteration opens it again as a new runtime call). With `rolled=True` (`loops="rolled"`) a
+`scan` or `while` is one op of any length, its body neither unrolled nor recorded.
 
 Every recorded value is a concrete `jax.Array` computed by binding the primitive to
 concrete inputs, the same path JAX's own eager dispatch takes, so recorded values equal an
@@ -85,6 +88,58 @@ class ShardingPassThrough(PrimitiveCall):
 
     def __repr__(self) -> str:
         return "<jax sharding_constraint (pass-through after load)>"
+
+
+class ShardedPrimitiveCall(PrimitiveCall):
+    """A loaded op that read arrays sharded over several devices: its inputs are placed on a
+    mesh of the recorded axes with the recorded partition specs before the primitive binds
+    (a sharded computation can differ from a one-device one in the last bit). Re-bound only
+    where the process has that many devices."""
+
+    __slots__ = ("shardings",)
+
+    def __init__(self, primitive: Any, params: dict[str, Any], shardings: tuple) -> None:
+        super().__init__(primitive, params)
+        self.shardings = shardings
+
+    def __call__(self, *args: Any) -> Any:
+        placed = [a if s is None or not isinstance(a, (jax.Array, np.ndarray)) else jax.device_put(a, named_sharding(s))
+                  for a, s in zip(args, self.shardings)]
+        return super().__call__(*placed, *args[len(placed):])
+
+    def __repr__(self) -> str:
+        return f"<jax primitive {self.primitive.name} (sharded inputs)>"
+
+
+def sharding_data(value: Any) -> dict[str, Any] | None:
+    """A value's placement as plain data when it is a NamedSharding over more than one device:
+    {"axes": ((name, size), ...), "types": (axis type names), "spec": (partition entries)};
+    None otherwise (one device, or a sharding with no mesh)."""
+    sh = getattr(value, "sharding", None)
+    if not isinstance(sh, jax.sharding.NamedSharding) or len(sh.device_set) <= 1:
+        return None
+    spec = []
+    for entry in sh.spec:
+        if entry is None or type(entry) is str:
+            spec.append(entry)
+        elif isinstance(entry, tuple) and all(type(e) is str for e in entry):
+            spec.append(tuple(entry))
+        else:  # UNCONSTRAINED or an unknown entry: not data this backend can rebuild
+            return None
+    mesh = sh.mesh
+    types = tuple(getattr(t, "name", str(t)) for t in getattr(mesh, "axis_types", ()))
+    return {"axes": tuple((str(n), int(k)) for n, k in mesh.shape.items()), "types": types, "spec": tuple(spec)}
+
+
+def named_sharding(data: dict[str, Any]) -> Any:
+    """The NamedSharding `sharding_data` described, on this process's devices."""
+    names = tuple(n for n, _ in data["axes"])
+    sizes = tuple(k for _, k in data["axes"])
+    kwargs = {}
+    if data.get("types"):
+        kwargs["axis_types"] = tuple(jax.sharding.AxisType[t] for t in data["types"])
+    mesh = jax.make_mesh(sizes, names, **kwargs)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*data["spec"]))
 
 
 @jax.jit
@@ -288,8 +343,10 @@ class Interpreter:
     events to `log`."""
 
     def __init__(self, traced: Traced, log: EventLog, leaf_addresses: list[str], leaf_is_param: list[bool],
-                 edit_plan: Any = None) -> None:
+                 edit_plan: Any = None, rolled: bool = False) -> None:
         self.t = traced
+        #: loops="rolled": each `scan` / `while` is one op (no unroll, no step cap)
+        self.rolled = rolled
         #: core's EditPlan of a live capture (`intervene=`, the rerun engine): event id -> edits,
         #: applied to an event's outputs before any later equation reads them.
         self.plan = edit_plan
@@ -298,9 +355,17 @@ class Interpreter:
         self.log = log
         self.addresses = leaf_addresses
         self.is_param = leaf_is_param
-        self.chains: dict[int, tuple[int, ...]] = {}  # event id -> call chain it ran in
-        self.stack: list[int] = []
-        self.next_call = 0
+        self.chains: dict[int, tuple[int, ...]] = {}  # event id -> runtime call chain it ran in
+        self.stack: list[int] = []  # open runtime calls
+        self.next_call = 0  # the next traced (static) call id to open
+        # Runtime module calls: the traced call table names each call once, but a call inside a
+        # loop body runs once per iteration; each iteration opens its own runtime call (with the
+        # next call number of its address), like a Python loop.
+        self.rt_calls: list[tuple[str, int, int]] = []  # runtime id -> (address, call number, parent runtime id)
+        self.rt_counts: dict[str, int] = {}
+        self.rt_of: dict[int, int] = {}  # traced call id -> its latest runtime call id
+        self._loop_ranges: dict[Hashable, tuple[int, int] | None] = {}  # loop eqn / cond branch -> traced calls
+        self.multi_device = jax.device_count() > 1  # then an op's sharded inputs are recorded (meta["in_shardings"])
         self.enters: dict[int, ModuleEnter] = {}
         self.exits: dict[int, ModuleExit] = {}
         self.materialized: dict[Any, tuple] = {}
@@ -355,38 +420,103 @@ class Interpreter:
 
     # module calls ---------------------------------------------------------------------------
     def _open(self, cid: int) -> None:
-        self._pop_to(self.t.table.calls[cid][2])
-        addr, n, _ = self.t.table.calls[cid]
+        addr, _, sparent = self.t.table.calls[cid]
+        parent = self.rt_of.get(sparent, -1) if sparent >= 0 else -1
+        self._pop_to(parent)
+        n = self.rt_counts.get(addr, 0) + 1
+        self.rt_counts[addr] = n
+        rt = len(self.rt_calls)
+        self.rt_calls.append((addr, n, parent))
+        self.rt_of[cid] = rt
         ev = ModuleEnter(addr, n)
-        self.enters[cid] = ev
+        self.enters[rt] = ev
         self.log.append(ev)
-        self.stack.append(cid)
+        self.stack.append(rt)
         self.next_call = cid + 1
 
     def _pop_to(self, parent: int) -> None:
         if parent >= 0 and parent not in self.stack:
             return
         while self.stack and self.stack[-1] != parent:
-            cid = self.stack.pop()
-            addr, n, _ = self.t.table.calls[cid]
+            rt = self.stack.pop()
+            addr, n, _ = self.rt_calls[rt]
             ev = ModuleExit(addr, n)
-            self.exits[cid] = ev
+            self.exits[rt] = ev
             self.log.append(ev)
 
-    def _sync(self, cid: int) -> None:
-        """Emit the module enter/exit events that lead from the open calls to `cid`."""
+    def _sync(self, cid: int) -> int:
+        """Emit the module enter/exit events that lead from the open calls to traced call
+        `cid`; returns the runtime call it now is."""
         while self.next_call <= cid:
             self._open(self.next_call)
-        if cid in self.stack:
-            self._pop_to(cid)
+        rt = self.rt_of[cid]
+        if rt in self.stack:
+            self._pop_to(rt)
+        return rt
 
-    def _module_stack(self, cid: int) -> tuple[tuple[str, int], ...]:
-        st = self._stack_cache.get(cid)
+    def _chain(self, rt: int) -> tuple[int, ...]:
+        """Runtime call ids from the root call to `rt`, inclusive."""
+        out = []
+        while rt >= 0:
+            out.append(rt)
+            rt = self.rt_calls[rt][2]
+        return tuple(reversed(out))
+
+    def _module_stack(self, rt: int) -> tuple[tuple[str, int], ...]:
+        st = self._stack_cache.get(rt)
         if st is None:
-            calls = self.t.table.calls
-            st = tuple((calls[c][0], calls[c][1]) for c in self.t.table.chain(cid))
-            self._stack_cache[cid] = st
+            st = tuple((self.rt_calls[c][0], self.rt_calls[c][1]) for c in self._chain(rt))
+            self._stack_cache[rt] = st
         return st
+
+    def _loop_range(self, key: Hashable, bodies: list[Any], ctx: _Ctx) -> tuple[int, int] | None:
+        """The traced calls a loop's body jaxprs (or a cond branch) open: (first, last) ids,
+        contiguous in entry order (the body was traced in one stretch), with trailing calls
+        nested in them; None when the body calls no module (or its markers are a reused
+        jaxpr's). Cached under `key` (the equation's id, with the branch for a cond)."""
+        if key in self._loop_ranges:
+            return self._loop_ranges[key]
+        ids: set[int] = set()
+        stack = list(bodies)
+        while stack:
+            j = stack.pop()
+            for e in j.eqns:
+                ids.update(call_ids(e.source_info.name_stack))
+                for v in e.params.values():
+                    for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                        inner = getattr(sub, "jaxpr", sub)
+                        if hasattr(inner, "eqns"):
+                            stack.append(inner)
+        ids -= set(ctx.scope)
+        span = None
+        if ids and not self._stale:
+            lo, hi = min(ids), max(ids)
+            calls = self.t.table.calls
+            while hi + 1 < len(calls) and lo <= calls[hi + 1][2] <= hi:  # a call nested in one of the body's
+                hi += 1
+            span = (lo, hi)
+        self._loop_ranges[key] = span
+        return span
+
+    def _next_iteration(self, span: tuple[int, int] | None) -> None:
+        """Start a loop iteration: the body's module calls open again (new runtime calls)."""
+        if span is not None and self.next_call > span[0]:
+            self.next_call = span[0]
+
+    def _skip(self, span: tuple[int, int] | None) -> None:
+        """A cond branch that did not run: its traced calls are never opened (calls before it
+        that have not opened yet open first, in entry order)."""
+        if span is None or self.next_call > span[1]:
+            return
+        while self.next_call < span[0]:
+            self._open(self.next_call)
+        self.next_call = span[1] + 1
+
+    def _after_loop(self, span: tuple[int, int] | None) -> None:
+        """A loop ended: calls of its body the last iteration did not reach (a while loop's
+        body after its final predicate, a rolled loop's whole body) are not opened later."""
+        if span is not None and self.next_call <= span[1]:
+            self.next_call = span[1] + 1
 
     def _call_of(self, eqn: Any, ctx: _Ctx) -> tuple[int, tuple[int, ...]]:
         if self._stale:  # a reused inner jaxpr: its module markers belong to its first call site
@@ -395,9 +525,9 @@ class Interpreter:
         return (scope[-1] if scope else 0), scope
 
     # sources ---------------------------------------------------------------------------------
-    def _materialize(self, src: tuple, cid: int) -> tuple:
+    def _materialize(self, src: tuple, rt: int) -> tuple:
         """A parent reference `("ev", id, slot)` for a value source, creating the buffer or
-        constant event on first use."""
+        constant event (in runtime call `rt`) on first use."""
         if src[0] == "ev":
             return src
         key = (src[0], src[1]) if src[0] == "buffer" else ("const", id(src[1]))
@@ -411,9 +541,9 @@ class Interpreter:
         kind = "buffer" if src[0] == "buffer" else "constant"
         shape, dtype = shape_dtype(value)
         self.log.append(OpEvent(eid, kind, kind, outputs=(value,), shapes=(shape,), dtypes=(dtype,),
-                                module_stack=self._module_stack(cid), path=src[1] if kind == "buffer" else "constant",
+                                module_stack=self._module_stack(rt), path=src[1] if kind == "buffer" else "constant",
                                 meta={"source": "closure"} if kind == "constant" else {}))
-        self.chains[eid] = self.t.table.chain(cid)
+        self.chains[eid] = self._chain(rt)
         ref = ("ev", eid, 0)
         self.materialized[key] = ref
         if src[0] == "const":
@@ -463,6 +593,11 @@ class Interpreter:
                     self._stale -= stale
             elif name == "cond":
                 outs = self._cond(eqn, ins, site, scope, ctx)
+            elif name in ("while", "scan") and self.rolled:  # one op; its body's module calls stay unopened
+                bodies = [eqn.params["jaxpr"]] if name == "scan" else [eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]]
+                span = self._loop_range(id(eqn), [b.jaxpr for b in bodies], ctx)
+                outs = self._primitive(eqn, ins, site, cid, ctx)
+                self._after_loop(span)
             elif name == "while":
                 outs = self._while(eqn, ins, site, scope, ctx)
             elif name == "shard_map" and _one_device_body(eqn) is not None:
@@ -494,7 +629,7 @@ class Interpreter:
 
     def _emit(self, name: str, func: Any, run: Any, ins: list, site: Hashable, cid: int, ctx: _Ctx, meta: dict,
               multiple: bool) -> list:
-        self._sync(cid)
+        rt = self._sync(cid)
         parents: list[tuple[int, int]] = []
         template: list[Any] = []
         params: list[str] = []
@@ -508,11 +643,15 @@ class Interpreter:
                 template.append(ArgRef(address=src[1]))
                 params.append(src[1])
             else:
-                ref = self._materialize(src, cid)
+                ref = self._materialize(src, rt)
                 template.append(ArgRef(index=len(parents)))
                 parents.append((ref[1], ref[2]))
                 if kind != "ev" and ref[1] in self.edited:  # an edited buffer or constant: read its edited value
                     vals[-1] = self.edited[ref[1]][ref[2]]
+        if self.multi_device:
+            placed = tuple(sharding_data(v) for v in vals)
+            if any(p is not None for p in placed):
+                meta["in_shardings"] = placed
         out = run(*vals)
         outs = list(out) if multiple else [out]
         if ctx.composites:
@@ -525,11 +664,11 @@ class Interpreter:
         sd = [shape_dtype(o) for o in outs]
         ev = OpEvent(
             eid, "op", name, parents=tuple(parents), outputs=tuple(outs), shapes=tuple(s for s, _ in sd),
-            dtypes=tuple(d for _, d in sd), module_stack=self._module_stack(cid), site=site,
+            dtypes=tuple(d for _, d in sd), module_stack=self._module_stack(rt), site=site,
             params=tuple(dict.fromkeys(params)), multi_output=multiple, func=func, args_template=tuple(template), meta=meta)
         self.op_events[eid] = ev
         self.log.append(ev)
-        self.chains[eid] = self.t.table.chain(cid)
+        self.chains[eid] = self._chain(rt)
         return [(o, ("ev", eid, i)) for i, o in enumerate(outs)]
 
     # control flow ------------------------------------------------------------------------------
@@ -539,8 +678,22 @@ class Interpreter:
         branches = eqn.params["branches"]
         index = min(max(index, 0), len(branches) - 1)
         branch = branches[index]
+        # module calls of the branches not taken are never opened (in a loop, every iteration)
+        spans = [self._loop_range((id(eqn), j), [b.jaxpr], ctx) for j, b in enumerate(branches)]
+        mine = spans[index]
+        later = []
+        for j, span in enumerate(spans):
+            if j == index or span is None:
+                continue
+            if mine is None or span[1] < mine[0]:
+                self._skip(span)
+            else:
+                later.append(span)
         sub = _Ctx(scope, (site, "cond", index), ctx.composites, {"kind": "cond", "branch": index})
-        return self._eval(branch.jaxpr, [(c, ("const", c)) for c in branch.consts], ins[1:], sub)
+        outs = self._eval(branch.jaxpr, [(c, ("const", c)) for c in branch.consts], ins[1:], sub)
+        for span in later:
+            self._skip(span)
+        return outs
 
     def _linear_solve(self, eqn: Any, ins: list, site: Hashable, scope: tuple, ctx: _Ctx) -> list:
         """`lax.custom_linear_solve` evaluates its `solve` jaxpr on its constants and the right-hand
@@ -557,12 +710,16 @@ class Interpreter:
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         cconsts, bconsts, carry = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+        span = self._loop_range(id(eqn), [cj.jaxpr, bj.jaxpr], ctx)
         for it in range(MAX_UNROLL + 1):
+            if it:
+                self._next_iteration(span)
             if it == MAX_UNROLL:
                 raise BackendUnsupportedError(
                     "value_dependent_branch_unsupported",
                     f"a while_loop ran more than {MAX_UNROLL} iterations; the jax backend unrolls loops to record them",
-                    remedy="trace a shorter loop, or raise torchlens_jax.interpret.MAX_UNROLL", primitive="while")
+                    remedy="trace with loops=\"rolled\" (each loop one op), trace a shorter loop, or raise "
+                       "torchlens_jax.interpret.MAX_UNROLL", primitive="while")
             region = {"kind": "while", "iteration": it}
             pred, pred_src = self._eval(cj.jaxpr, [(c, ("const", c)) for c in cj.consts], cconsts + carry,
                                         _Ctx(scope, (site, "while_cond"), ctx.composites, region))[0]
@@ -571,6 +728,7 @@ class Interpreter:
                 break
             carry = self._eval(bj.jaxpr, [(c, ("const", c)) for c in bj.consts], bconsts + carry,
                                _Ctx(scope, (site, "while_body"), ctx.composites, region))
+        self._after_loop(span)
         return carry
 
     def _scan(self, eqn: Any, ins: list, site: Hashable, scope: tuple, ctx: _Ctx, cid: int) -> list:
@@ -580,11 +738,15 @@ class Interpreter:
             raise BackendUnsupportedError(
                 "value_dependent_branch_unsupported",
                 f"a scan of length {length} exceeds the {MAX_UNROLL}-step unroll cap of the jax backend",
-                remedy="trace a shorter scan, or raise torchlens_jax.interpret.MAX_UNROLL", primitive="scan")
+                remedy="trace with loops=\"rolled\" (each scan one op, any length), trace a shorter scan, or raise "
+                       "torchlens_jax.interpret.MAX_UNROLL", primitive="scan")
         body = p["jaxpr"]
         consts, carry, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
         per_step: list[list] = []
+        span = self._loop_range(id(eqn), [body.jaxpr], ctx)
         for i in (range(length - 1, -1, -1) if reverse else range(length)):
+            if per_step:
+                self._next_iteration(span)
             region = {"kind": "scan", "iteration": i}
             step_ctx = _Ctx(scope, (site, "scan_body"), ctx.composites, region)
             x_i = []
@@ -595,6 +757,7 @@ class Interpreter:
             outs = self._eval(body.jaxpr, [(c, ("const", c)) for c in body.consts], consts + carry + x_i, step_ctx)
             carry, ys = outs[:ncar], outs[ncar:]
             per_step.append(ys)
+        self._after_loop(span)
         stacked = []
         for k in range(len(per_step[0]) if per_step else 0):
             fn = ScanStack(reverse)

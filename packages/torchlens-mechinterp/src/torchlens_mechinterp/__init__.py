@@ -48,13 +48,21 @@ _NAMES: dict[str, str] = {
     "AliasReport": "aliases",
     "PromptRecord": "prompts",
     "AnswerScore": "prompts",
+    # component graph, edge patching and scores, circuit faithfulness (helper K3, issue 17)
+    "component_graph": "graph",
+    "ComponentGraph": "graph",
+    "patch_edges": "edges",
+    "edge_scores": "edges",
+    "EdgeScoreTable": "edges",
+    "circuit_performance_ratio": "faithfulness",
+    "circuit_model_difference": "faithfulness",
 }
 
 #: functions whose first parameter is a trace: what `trace.using("mechinterp")` serves.
 TRACE_FUNCTIONS = frozenset({
     "residual_decomposition", "direct_logit_contributions", "attention_head_contributions",
     "head_weight_views", "qk_circuit", "ov_circuit", "mlp_neuron_contributions", "retention_plan",
-    "head_scores", "inspect_prompt", "resolve_alias", "alias_report",
+    "head_scores", "inspect_prompt", "resolve_alias", "alias_report", "component_graph", "patch_edges",
 })
 
 __all__ = sorted(_NAMES)

@@ -113,10 +113,18 @@ def _sites_for(trace: Any, function: str, kwargs: dict[str, Any]) -> list[str]:
         return neuron_sites(trace, kwargs.get("mlp"))
     if function in ("head_weight_views", "qk_circuit", "ov_circuit"):
         return []  # parameters only
+    if function == "head_scores":
+        from torchlens_mechinterp.scores import head_scores_sites
+
+        return head_scores_sites(trace)
+    if function == "component_graph":
+        from torchlens_mechinterp.graph import graph_sites
+
+        return graph_sites(trace)
     raise MechInterpError("mi_retention_function_unknown", f"retention_plan does not know {function!r}",
                           remedy="name one of: residual_decomposition, direct_logit_contributions, "
                           "attention_head_contributions, mlp_neuron_contributions, head_weight_views, qk_circuit, "
-                          "ov_circuit", function=function)
+                          "ov_circuit, head_scores, component_graph", function=function)
 
 
 def retention_plan(trace: Any, *functions: str, **kwargs: Any) -> RetentionPlan:
@@ -138,6 +146,7 @@ def retention_plan(trace: Any, *functions: str, **kwargs: Any) -> RetentionPlan:
 
 
 _KNOWN = frozenset({"residual_decomposition", "direct_logit_contributions", "attention_head_contributions",
-                    "mlp_neuron_contributions", "head_weight_views", "qk_circuit", "ov_circuit"})
+                    "mlp_neuron_contributions", "head_weight_views", "qk_circuit", "ov_circuit", "head_scores",
+                    "component_graph"})
 
 __all__ = ["require_payloads", "retention_plan", "RetentionPlan"]

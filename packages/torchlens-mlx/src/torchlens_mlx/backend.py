@@ -42,9 +42,12 @@ from torchlens.backends.sdk import (
     ValidationStatus,
     apply_save,
     build_trace,
+    call_site,
     check_requested_capabilities,
-    item_path,
+    foreign_leaf,
     keyword_path,
+    leaf_paths,
+    module_parents,
     positional_path,
     refusal_codes_for,
     save_plan,
@@ -73,29 +76,16 @@ def _buffer_key(a: Any) -> tuple:
 
 
 def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    if isinstance(obj, mx.array):
-        return [(path, obj)]
-    if isinstance(obj, (tuple, list)):
-        return [x for i, o in enumerate(obj) for x in _leaf_paths(o, item_path(path, i))]
-    if isinstance(obj, dict):
-        return [x for k, o in obj.items() for x in _leaf_paths(o, item_path(path, k))]
-    return []
+    return leaf_paths(obj, path, _is_leaf)
+
+
+def _is_leaf(obj: Any) -> bool:
+    return isinstance(obj, mx.array)
 
 
 def _foreign(obj: Any) -> str | None:
-    """The type name of the first array of another framework inside `obj`, if any."""
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            f = _foreign(o)
-            if f:
-                return f
-        return None
-    if isinstance(obj, dict):
-        return _foreign(list(obj.values()))
-    mod = type(obj).__module__.split(".")[0]
-    if mod in ("torch", "jax", "jaxlib", "tensorflow") or isinstance(obj, np.ndarray):
-        return f"{type(obj).__module__}.{type(obj).__name__}"
-    return None
+    """The type name of the first array of another framework (or numpy) inside `obj`, if any."""
+    return foreign_leaf(obj, ("torch", "jax", "jaxlib", "tensorflow"))
 
 
 class _Recorder:
@@ -219,7 +209,7 @@ class _Recorder:
             return out  # not an array-producing call
         self.busy = True
         try:
-            site = _site(sys._getframe(2), self.wrapper_code)
+            site = call_site(sys._getframe(2), self.wrapper_code)
             parents: list[tuple[int, int]] = []
             params: list[str] = []
             # in-place: the receiver's value before the write is the parent
@@ -271,15 +261,6 @@ class _Recorder:
 def _dtype(a: Any) -> str:
     return str(a.dtype).replace("mlx.core.", "")
 
-
-def _site(frame: Any, stop: Any) -> tuple:
-    """(code, instruction) pairs from the op call up to the innermost module call."""
-    key = []
-    f = frame
-    while f is not None and f.f_code is not stop and len(key) < 16:
-        key.append((f.f_code, f.f_lasti))
-        f = f.f_back
-    return tuple(key)
 
 
 def _module_call_wrapper(original: Any) -> Any:
@@ -440,14 +421,7 @@ class MLXBackend:
         rec.edit_plan = _edit_plan
         is_module = isinstance(model, nn.Module)
         info = ModelInfo(type(model).__name__ if is_module else getattr(model, "__name__", type(model).__name__))
-        parent_of = {}
-        known = {a for a, _m in modules}
-        for addr, _m in modules:
-            if addr != "self":
-                up = addr.rpartition(".")[0]
-                while up and up not in known:  # `layers.0` of a Sequential: `layers` is a list
-                    up = up.rpartition(".")[0]
-                parent_of[addr] = up or "self"
+        parent_of = module_parents(a for a, _m in modules)
         for addr, m in modules:
             info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__, parent=parent_of.get(addr),
                                            training=bool(getattr(m, "training", False))))

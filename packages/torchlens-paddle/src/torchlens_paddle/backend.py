@@ -41,9 +41,12 @@ from torchlens.backends.sdk import (
     ValidationStatus,
     apply_save,
     build_trace,
+    call_site,
     check_requested_capabilities,
-    item_path,
+    foreign_leaf,
     keyword_path,
+    leaf_paths,
+    module_parents,
     positional_path,
     refusal_codes_for,
     save_plan,
@@ -65,29 +68,16 @@ def dtype_name(t: Any) -> str:
 
 
 def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    if isinstance(obj, Tensor):
-        return [(path, obj)]
-    if isinstance(obj, (tuple, list)):
-        return [x for i, o in enumerate(obj) for x in _leaf_paths(o, item_path(path, i))]
-    if isinstance(obj, dict):
-        return [x for k, o in obj.items() for x in _leaf_paths(o, item_path(path, k))]
-    return []
+    return leaf_paths(obj, path, _is_leaf)
+
+
+def _is_leaf(obj: Any) -> bool:
+    return isinstance(obj, Tensor)
 
 
 def _foreign(obj: Any) -> str | None:
-    """The type name of the first array of another framework inside `obj`, if any."""
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            f = _foreign(o)
-            if f:
-                return f
-        return None
-    if isinstance(obj, dict):
-        return _foreign(list(obj.values()))
-    mod = type(obj).__module__.split(".")[0]
-    if mod in ("torch", "jax", "jaxlib", "tensorflow", "mlx", "tinygrad") or isinstance(obj, np.ndarray):
-        return f"{type(obj).__module__}.{type(obj).__name__}"
-    return None
+    """The type name of the first array of another framework (or numpy) inside `obj`, if any."""
+    return foreign_leaf(obj, ("torch", "jax", "jaxlib", "tensorflow", "mlx", "tinygrad"))
 
 
 def flat_outputs(out: Any) -> list[Any] | None:
@@ -120,16 +110,6 @@ def rebuild(tree: list, leaves: list[Any]) -> Any:
     kind, items = tree
     made = [rebuild(v, leaves) if isinstance(v, list) else leaves.pop(0) for v in items]
     return tuple(made) if kind == "tuple" else made
-
-
-def _site(frame: Any) -> tuple:
-    """(code, instruction) pairs from the op call up to the innermost module call."""
-    key = []
-    f = frame
-    while f is not None and f.f_code not in _LAYER_CODES and len(key) < 16:
-        key.append((f.f_code, f.f_lasti))
-        f = f.f_back
-    return tuple(key)
 
 
 class _Recorder:
@@ -214,7 +194,7 @@ class _Recorder:
                 tree = out_tree(out)  # nested (the rnn kernel's states are a list inside its tuple)
         self.depth += 1
         try:
-            site = _site(sys._getframe(3))
+            site = call_site(sys._getframe(3), _LAYER_CODES)
             parents: list[tuple[int, int]] = []
             params: list[str] = []
             args_t = self._template(args, parents, params)
@@ -303,13 +283,6 @@ def model_modules(model: Any) -> list[tuple[str, Any]]:
             seen.add(id(m))
             out.append((addr, m))
     return out
-
-
-def _parent(addr: str, known: set[str]) -> str:
-    up = addr.rpartition(".")[0]
-    while up and up not in known:
-        up = up.rpartition(".")[0]
-    return up or "self"
 
 
 class PaddleBackend:
@@ -435,10 +408,9 @@ class PaddleBackend:
         rec.edit_plan = _edit_plan
         is_layer = isinstance(model, nn.Layer)
         info = ModelInfo(type(model).__name__ if is_layer else getattr(model, "__name__", type(model).__name__))
-        known = {a for a, _m in modules}
+        parent_of = module_parents(a for a, _m in modules)
         for addr, m in modules:
-            info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__,
-                                           parent=None if addr == "self" else _parent(addr, known),
+            info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__, parent=parent_of.get(addr),
                                            training=bool(getattr(m, "training", False))))
         if is_layer:
             for addr, p in model.named_parameters():

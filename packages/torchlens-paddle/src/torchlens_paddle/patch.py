@@ -18,6 +18,7 @@ wrapped call runs internally is part of that call) and only calls that return te
 from __future__ import annotations
 
 import sys
+import types
 import threading
 from typing import Any
 
@@ -134,7 +135,10 @@ def _scan() -> list[tuple[Any, str, Any, Any]]:
         for attr, obj in list(attrs.items()):
             if attr.startswith("__"):
                 continue
-            original = getattr(obj, "__torchlens_original__", None) if callable(obj) else None
+            # Read the marker without running any __getattr__: a module attribute can be an
+            # object whose attribute access has side effects (tensorflow's absl flag wrapper
+            # parses sys.argv on first access), and only our own wrapper functions carry it.
+            original = obj.__dict__.get("__torchlens_original__") if isinstance(obj, types.FunctionType) else None
             if original is not None and id(original) in by_id:  # a wrapper left by another thread's capture
                 obj = original
             if id(obj) in by_id and obj is kernels[by_id[id(obj)]]:

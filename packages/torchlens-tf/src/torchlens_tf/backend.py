@@ -54,9 +54,12 @@ from torchlens.backends.sdk import (
     ValidationStatus,
     apply_save,
     build_trace,
+    call_site,
     check_requested_capabilities,
-    item_path,
+    foreign_leaf,
     keyword_path,
+    leaf_paths,
+    module_parents,
     positional_path,
     refusal_codes_for,
     save_plan,
@@ -78,29 +81,16 @@ def _is_tensor(v: Any) -> bool:
 
 
 def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    if _is_tensor(obj):
-        return [(path, obj)]
-    if isinstance(obj, (tuple, list)):
-        return [x for i, o in enumerate(obj) for x in _leaf_paths(o, item_path(path, i))]
-    if isinstance(obj, dict):
-        return [x for k, o in obj.items() for x in _leaf_paths(o, item_path(path, k))]
-    return []
+    return leaf_paths(obj, path, _is_leaf)
+
+
+def _is_leaf(obj: Any) -> bool:
+    return _is_tensor(obj)
 
 
 def _foreign(obj: Any) -> str | None:
     """The type name of the first array of another framework (or numpy) inside `obj`, if any."""
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            f = _foreign(o)
-            if f:
-                return f
-        return None
-    if isinstance(obj, dict):
-        return _foreign(list(obj.values()))
-    mod = type(obj).__module__.split(".")[0]
-    if mod in ("torch", "jax", "jaxlib", "mlx", "paddle", "tinygrad") or isinstance(obj, np.ndarray):
-        return f"{type(obj).__module__}.{type(obj).__name__}"
-    return None
+    return foreign_leaf(obj, ("torch", "jax", "jaxlib", "mlx", "paddle", "tinygrad"))
 
 
 def _not_a_value(obj: Any) -> str | None:
@@ -208,7 +198,7 @@ class _Recorder:
                 "(seeded), and read variables as values (var.value) instead of resource ops", backend="tf", op_type=name)
         self.busy = True
         try:
-            site = _site(sys._getframe(2), self.wrapper_code)
+            site = call_site(sys._getframe(2), self.wrapper_code, 48)
             parents: list[tuple[int, int]] = []
             params: list[str] = []
             args_t = tuple(self._template(t, parents, params) for t in inputs)
@@ -248,15 +238,6 @@ def _callback(op_type: Any, inputs: tuple, attrs: tuple, outputs: Any, op_name: 
     rec.on_op(op_type, inputs, attrs, outputs)
     return None
 
-
-def _site(frame: Any, stop: Any) -> tuple:
-    """(code, instruction) pairs from the op's Python call up to the innermost layer call."""
-    key = []
-    f = frame
-    while f is not None and f.f_code is not stop and len(key) < 48:
-        key.append((f.f_code, f.f_lasti))
-        f = f.f_back
-    return tuple(key)
 
 
 def _module_call_wrapper(original: Any) -> Any:
@@ -471,14 +452,7 @@ class TFBackend:
         is_layer = isinstance(model, keras.layers.Layer)
         info = ModelInfo(type(model).__name__ if is_layer or isinstance(model, tf.Module)
                          else getattr(model, "__name__", type(model).__name__))
-        parent_of: dict[str, str] = {}
-        known = {a for a, _m in modules}
-        for addr, _m in modules:
-            if addr != "self":
-                up = addr.rpartition(".")[0]
-                while up and up not in known:  # `blocks.0`: `blocks` is a list, not a layer
-                    up = up.rpartition(".")[0]
-                parent_of[addr] = up or "self"
+        parent_of = module_parents(a for a, _m in modules)
         for addr, m in modules:
             info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__, parent=parent_of.get(addr),
                                            training=False))

@@ -55,9 +55,11 @@ from torchlens.backends.sdk import (
     ValidationStatus,
     apply_save,
     build_trace,
+    call_site,
     check_requested_capabilities,
-    item_path,
+    foreign_leaf,
     keyword_path,
+    leaf_paths,
     positional_path,
     refusal_codes_for,
     save_plan,
@@ -110,32 +112,19 @@ def rng_state(state: Any) -> Any:
 
 
 def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    if isinstance(obj, Tensor):
-        return [(path, obj)]
-    if isinstance(obj, (tuple, list)):
-        return [x for i, o in enumerate(obj) for x in _leaf_paths(o, item_path(path, i))]
-    if isinstance(obj, dict):
-        return [x for k, o in obj.items() for x in _leaf_paths(o, item_path(path, k))]
-    return []
+    return leaf_paths(obj, path, _is_leaf)
+
+
+def _is_leaf(obj: Any) -> bool:
+    return isinstance(obj, Tensor)
 
 
 _FOREIGN_ROOTS = ("torch", "jax", "jaxlib", "tensorflow", "mlx", "paddle", "keras")
 
 
 def _foreign(obj: Any) -> str | None:
-    """The type name of the first array of another framework inside `obj`, if any."""
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            f = _foreign(o)
-            if f:
-                return f
-        return None
-    if isinstance(obj, dict):
-        return _foreign(list(obj.values()))
-    mod = type(obj).__module__.split(".")[0]
-    if (mod in _FOREIGN_ROOTS and hasattr(obj, "shape")) or isinstance(obj, np.ndarray):
-        return f"{type(obj).__module__}.{type(obj).__name__}"
-    return None
+    """The type name of the first array of another framework (or numpy) inside `obj`, if any."""
+    return foreign_leaf(obj, _FOREIGN_ROOTS, need_shape=True)
 
 
 _NOT_WALKED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType,
@@ -216,16 +205,6 @@ def _dtype(t: Any) -> str:
 
 def _shape(t: Any) -> tuple:
     return tuple(int(s) for s in t.shape)
-
-
-def _site(frame: Any, stop: Any) -> tuple:
-    """(code, instruction) pairs from the op call up to the innermost module call."""
-    key = []
-    f = frame
-    while f is not None and f.f_code is not stop and len(key) < 16:
-        key.append((f.f_code, f.f_lasti))
-        f = f.f_back
-    return tuple(key)
 
 
 class _Recorder:
@@ -337,7 +316,7 @@ class _Recorder:
             return out  # not a tensor-producing call
         patch.ACTIVE.depth += 1
         try:
-            site = _site(sys._getframe(2), self.wrapper_code)
+            site = call_site(sys._getframe(2), self.wrapper_code)
             parents: list[tuple[int, int]] = []
             params: list[str] = []
             args_t = self._template(args, parents, params)

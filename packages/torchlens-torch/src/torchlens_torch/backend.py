@@ -33,7 +33,7 @@ from torchlens.backends.sdk import (
 from torchlens_torch import __version__
 from torchlens_torch.concurrency import ThreadWatch, exclusive
 from torchlens_torch.costs import SavedTensorTally, stamp_autograd_memory
-from torchlens_torch.describe import MODULE_INTERNALS, describe_model
+from torchlens_torch.describe import describe_model
 from torchlens_torch import module_attributes as _module_attributes
 from torchlens_torch import output_names as _output_names
 from torchlens_torch.interceptor import Recorder, _run_root, capture_mode, install_module_hooks, remove_module_hooks
@@ -64,6 +64,16 @@ class CaptureExtras:
         self.save_grads = save_grads
         self.grad_store = grad_store
         self.inference_only = inference_only
+
+
+_DIST: list = []  # torchlens_torch.distributed, once imported (capture's lazy-arming check)
+
+
+def _load_dist() -> Any:
+    from torchlens_torch import distributed
+
+    _DIST.append(distributed)
+    return distributed
 
 
 class TorchBackend:
@@ -116,8 +126,9 @@ class TorchBackend:
                 _edit_plan: Any = None, **trace_options: Any) -> Any:
         if "torch.distributed" in sys.modules:
             # SPMD processes arm lazily at capture entry (tl.distributed.arm() is the explicit route).
-            from torchlens_torch import distributed as _dist
-
+            # (about 1 µs per capture when torch.distributed is not initialised: the module is
+            # imported once, then read from a global)
+            _dist = _DIST[0] if _DIST else _load_dist()
             if _dist.armed() is None and _dist.lazy_arm() is not None:  # armed just now: re-enter the armed capture
                 return self.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=_edit_plan,
                                     **trace_options)
@@ -331,7 +342,7 @@ class _Capture:
         pos_names, kw_names = input_paths(self.args, self.kwargs)  # core's one convention: args[i], kwargs['k']
 
         desc = describe_model(root)
-        param_hash_quick = _param_hash_quick(root)
+        param_hash_quick = _param_hash_quick(root, desc)
         scripted = [addr for addr, m in desc.modules if isinstance(m, torch.jit.ScriptModule)]
         if scripted:
             raise BackendUnsupportedError("torchscript_boundary",
@@ -465,10 +476,7 @@ class _Capture:
                     seen: set = set()
                     if failure is None:
                         rec.flush_reachable(output, 0, seen)
-                    for _, m in desc.modules:
-                        for k, v in m.__dict__.items():
-                            if k not in MODULE_INTERNALS or k in ("_parameters", "_buffers"):
-                                rec.flush_reachable(v, 0, seen)
+                    rec.flush_modules(desc.modules, seen)  # attributes, parameters, buffers
                 if failure is None and rec.budget_error is None:
                     rec.add_outputs(list(iter_leaves(output, "output")))
             finally:
@@ -498,18 +506,22 @@ def sample_positions(n: int, k: int) -> list[int]:
     return [i * (n - 1) // (k - 1) for i in range(k)]
 
 
-def _param_hash_quick(root: nn.Module) -> str:
+def _param_hash_quick(root: nn.Module, desc: Any = None) -> str:
     """sha256 hex over each parameter's address and a per-parameter digest of its shape,
     dtype, device, requires_grad and up to `_HASH_SAMPLES` evenly spaced elements (read
     before the forward, no grad). The per-parameter digest is cached while the Parameter
     object, its version counter and its storage pointer stay the same, so a repeated
     capture of an unchanged model reads no element (an in-place update through the
     Parameter, e.g. an optimizer step, bumps its version; a write through `p.data` does not,
-    so such a write is only seen once the storage is replaced or the Parameter is)."""
+    so such a write is only seen once the storage is replaced or the Parameter is).
+
+    `desc` (root's `describe_model`, taken just before) lists the same parameters under the
+    same names in `named_parameters()` order, without walking the module tree again."""
     import hashlib
 
     h = hashlib.sha256()
-    for name, p in root.named_parameters():
+    named = root.named_parameters() if desc is None else ((i.address, i.value) for i in desc.info.params)
+    for name, p in named:
         h.update(name.encode())
         h.update(b"\0")
         h.update(_param_digest(p))

@@ -22,7 +22,6 @@ from torchlens_torch.values import dtype_name
 MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"_compiled_call_impl"}
 
 _MAX_CONTAINER_DEPTH = 4
-_ATOMS = (int, float, str, bool, type(None))
 _SKIP_TYPES = (str, bytes, int, float, bool, type(None), nn.Module, torch.dtype, torch.device)
 
 
@@ -97,7 +96,8 @@ def describe_model(root: nn.Module) -> ModelDescription:
     no_tensors: set[int] = set()  # plain objects already seen to hold no tensor
     for addr, mod in order:
         prefix = "" if addr == "self" else addr + "."
-        for attr, value in mod.__dict__.items():
+        # (most attributes are scalars: filtered here, without a call each)
+        for attr, value in [(a, v) for a, v in mod.__dict__.items() if type(v) not in _LEAF_TYPES]:
             if attr in MODULE_INTERNALS:
                 continue
             _collect_held(prefix + attr, value, 0, held, param_address, buffer_address, no_tensors)
@@ -111,6 +111,7 @@ def describe_model(root: nn.Module) -> ModelDescription:
 
 
 _LEAF_TYPES = frozenset({str, bytes, int, float, bool, type(None), torch.dtype, torch.device})
+_SEQUENCES = frozenset({tuple, list})
 
 
 def _collect_held(address: str, value: Any, depth: int, out: list, params: dict, buffers: dict, no_tensors: set) -> None:
@@ -122,8 +123,8 @@ def _collect_held(address: str, value: Any, depth: int, out: list, params: dict,
         return
     if depth >= _MAX_CONTAINER_DEPTH or isinstance(value, _SKIP_TYPES):
         return
-    if type(value) is tuple and all(type(v) in _ATOMS for v in value):
-        return
+    if type(value) in _SEQUENCES and _LEAF_TYPES.issuperset(map(type, value)):
+        return  # a Conv2d's `kernel_size`, `_reversed_padding_repeated_twice`: nothing to walk
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
             sub = f"{address}.{i}" if depth == 0 else f"{address}[{i}]"

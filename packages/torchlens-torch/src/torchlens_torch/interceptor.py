@@ -43,7 +43,7 @@ from torchlens.backends.sdk import ArgRef, EventLog, ModuleEnter, ModuleExit, Op
 from torchlens_torch.composites import composite_table
 from torchlens_torch.concurrency import GcPause
 from torchlens_torch.costs import COST_FUNCS
-from torchlens_torch.describe import ModelDescription
+from torchlens_torch.describe import MODULE_INTERNALS, ModelDescription
 from torchlens_torch.values import _DTYPE_NAMES, dtype_name, iter_leaves
 
 Tensor = torch.Tensor
@@ -736,6 +736,24 @@ class Recorder:
             if isinstance(d, dict):
                 for item in d.values():
                     self.flush_reachable(item, depth + 1, seen)
+
+    def flush_modules(self, modules: Any, seen: set) -> None:
+        """`flush_reachable` over each module's own attributes (not torch's bookkeeping) and
+        its `_parameters` / `_buffers` entries: the module state that outlives the forward.
+        The common cases run inline (a scalar attribute is skipped without a call; a
+        parameter or buffer goes straight to `flush`)."""
+        leaf, flush, reach = _LEAF_TYPES, self.flush, self.flush_reachable
+        for _, m in modules:
+            if not self.pending:
+                return
+            for k, v in m.__dict__.items():
+                if k in MODULE_INTERNALS:
+                    if k == "_parameters" or k == "_buffers":
+                        for t in v.values():
+                            if isinstance(t, Tensor):
+                                flush(t)
+                elif type(v) not in leaf:
+                    reach(v, 0, seen)
 
     # values read into Python, writes through views, rebound buffers ---------------------
     def note_value_read(self, t: Tensor, name: str) -> None:

@@ -38,6 +38,22 @@ def _zoo() -> Any:
     return conformance_zoo()
 
 
+def _distributed_group() -> Any:
+    """The data-parallel group provider `tl.extract_dataset` / `tl.stats.aggregate` ask (issue 23):
+    None until the program itself has imported torch.distributed, then the initialised default
+    group (torchlens_torch.distributed_data), so no user import is needed."""
+    import sys
+
+    if "torch.distributed" not in sys.modules:
+        return None
+    from torchlens_torch.distributed_data import default_group
+
+    return default_group()
+
+
+torchlens.dataset_extraction.register_group_provider(_distributed_group)
+
+
 @torchlens.hookimpl
 def torchlens_backends() -> list[BackendSpec]:
     return [BackendSpec(

@@ -63,11 +63,10 @@ class _TensorSnap:
 
 
 _ATOMS = (int, float, str, bool, type(None))
-
-
-def _atomic_tuple(value: tuple) -> bool:
-    """A tuple of scalars (a Conv2d's `kernel_size`) cannot change in place."""
-    return all(type(v) in _ATOMS for v in value)
+_ATOM_TYPES = frozenset(_ATOMS)
+_MUTABLE = frozenset((list, dict, set))
+#: `__dict__` keys the snapshot skips: torch's bookkeeping (the training flag is user state)
+_SNAPSHOT_SKIP = MODULE_INTERNALS - {"training"}
 
 
 def _snap_container(value: Any, depth: int = 0) -> Any:
@@ -119,23 +118,28 @@ class ModelStateSnapshot:
         # per entry: the module's attribute keys, and its plain attributes' keys and values, for
         # `_untouched` (a C-level check that the forward added, removed and rebound nothing)
         self.shapes: list[tuple[Any, tuple, tuple]] = []
+        internals, atoms = _SNAPSHOT_SKIP, _ATOM_TYPES
         for _, m in modules:
-            attrs: dict[str, Any] = {}
-            containers: dict[str, Any] = {}
             d = m.__dict__
-            for k, v in d.items():
-                if k in MODULE_INTERNALS and k != "training":
-                    continue
-                attrs[k] = v
+            attrs: dict[str, Any] = {k: v for k, v in d.items() if k not in internals}
+            containers: dict[str, Any] = {}
+            for k in [k for k, v in attrs.items() if type(v) not in atoms]:  # (most attributes are scalars)
+                v = attrs[k]
                 t = type(v)
-                if t in _ATOMS:
-                    continue
-                if isinstance(v, torch.Tensor) or t in (list, dict, set) or (t is tuple and not _atomic_tuple(v)):
-                    containers[k] = _snap_container(v)
-            buffers = {k: (b, None if b is None else b.detach().clone(), None if b is None else b._version)
-                       for k, b in m._buffers.items()}
-            self.entries.append((m, attrs, containers, dict(m._parameters), buffers, dict(m._modules)))
+                if t is tuple:
+                    if atoms.issuperset(map(type, v)):  # a Conv2d's `kernel_size`: cannot change in place
+                        continue
+                elif t not in _MUTABLE and not isinstance(v, torch.Tensor):
+                    continue  # other objects: tracked by identity only
+                containers[k] = _snap_container(v)
+            self.entries.append((m, attrs, containers, dict(m._parameters), dict(m._buffers), dict(m._modules)))
             self.shapes.append((set(d), tuple(attrs), tuple(attrs.values())))
+        # every registered buffer (once per registration), a copy and its version counter now.
+        # One clone per buffer: measured cheaper than one `torch.cat` (or `torch._foreach_*`) per
+        # dtype, whose per-tensor detach/reshape views cost more than the clones they replace.
+        with torch.no_grad():  # (a clone made here records no graph: the same as detach().clone())
+            self.buffer_list = [(b, b.clone(), b._version) for e in self.entries for b in e[4].values()
+                                if b is not None]
 
     @staticmethod
     def _untouched(d: dict, shape: tuple[Any, tuple, tuple]) -> bool:
@@ -189,15 +193,18 @@ class ModelStateSnapshot:
                         _rebuild(snap)  # a tensor, or a tuple: restore tensors inside it
             else:
                 _restore_attrs(d, attrs, containers)
-            _restore_dict(m._parameters, params)
-            _restore_dict(m._modules, submods)
-            for k in [k for k in m._buffers if k not in buffers]:
-                del m._buffers[k]
-            for k, (b, clone, version) in buffers.items():
-                if m._buffers.get(k, _MISSING) is not b:
-                    m._buffers[k] = b
-                if b is not None:
-                    _write_back(b, clone, version)
+            # registrations (buffers' before their bytes); empty on both sides is the common case
+            cur = m._parameters
+            if cur or params:
+                _restore_dict(cur, params)
+            cur = m._modules
+            if cur or submods:
+                _restore_dict(cur, submods)
+            cur = m._buffers
+            if cur or buffers:
+                _restore_dict(cur, buffers)
+        for b, clone, version in self.buffer_list:
+            _write_back(b, clone, version)
 
 
 def _restore_attrs(d: dict, attrs: dict, containers: dict) -> None:

@@ -24,6 +24,15 @@ change. The dependency test enforces it for the backends in this repository.
   `replay_validate(trace, ops)` with its `ReplayOps` (subclass `ReplayOpsBase`: call, compare,
   RNG state, argument protection); `Replayer` re-executes single ops; `replay_ops_from`
   adapts an `EditOps`; `ReplayFailure` is a missing piece.
+- Walking values (framework-free, the framework test passed in): `leaf_paths(obj, path, is_leaf)`
+  (the path of every tensor leaf of nested tuples/lists/dicts), `foreign_leaf(obj, roots)` (the
+  first array of another framework, or numpy, in an input), `call_site(frame, stop)` (the
+  (code, instruction) key of an op's call site), `module_parents(addresses)` (each module's
+  parent address).
+- Gradients by perturbed replay (`torchlens.backends.sdk_grads`): `GradOptions` (the dataclass every
+  `tl.backends.<name>.GradOptions` is), `GradState`, `keep_for_backward`, `backward_state`,
+  `grad_keys`, `perturbed_replay`, `loss_value`, `store_grads`, `out_template` / `rebuild`,
+  `forward_edits`, `by_event`.
 - Errors: the typed error classes a backend raises.
 """
 
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from torchlens.backends.codes import CAPABILITY_REFUSALS, REFUSAL_CODES, VALIDATION_REASONS
 from torchlens.backends.protocol import (
@@ -58,6 +67,22 @@ from torchlens.backends.protocol import (
     supports,
 )
 from torchlens.backends.registry import install_hint
+from torchlens.backends.sdk_grads import (
+    SOURCE_KINDS,
+    GradOptions,
+    GradState,
+    OutLeaf,
+    backward_state,
+    by_event,
+    forward_edits,
+    grad_keys,
+    keep_for_backward,
+    loss_value,
+    out_template,
+    perturbed_replay,
+    rebuild,
+    store_grads,
+)
 from torchlens.build.builder import build_trace
 from torchlens.build.events import (
     ArgRef,
@@ -153,7 +178,85 @@ def param_values(trace: Any) -> dict[str, Any]:
     return {p.address: p.value for p in trace.params}
 
 
+def leaf_paths(obj: Any, path: str, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """`(path, leaf)` for every leaf (`is_leaf`) of nested tuples, lists and dicts, depth first;
+    paths extend `path` by the model-input convention (`item_path`: `[i]`, `['k']`). Anything
+    else (None, numbers, strings, other objects) contributes nothing.
+
+        leaf_paths((x, {"m": y}), "args[0]", is_leaf)  # [("args[0][0]", x), ("args[0][1]['m']", y)]
+    """
+    if is_leaf(obj):
+        return [(path, obj)]
+    if isinstance(obj, (tuple, list)):
+        return [x for i, o in enumerate(obj) for x in leaf_paths(o, item_path(path, i), is_leaf)]
+    if isinstance(obj, dict):
+        return [x for k, o in obj.items() for x in leaf_paths(o, item_path(path, k), is_leaf)]
+    return []
+
+
+def foreign_leaf(obj: Any, roots: Collection[str], *, numpy: bool = True, need_shape: bool = False) -> str | None:
+    """`module.Type` of the first value inside nested tuples/lists/dict values whose type's top
+    module is one of `roots` (another framework's array: `("torch", "jax", "jaxlib", ...)`; with
+    `need_shape`, only such values that have a `shape`), or a numpy array when `numpy`; None when
+    there is none. A backend refuses such an input with `foreign_tensor_input`."""
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            f = foreign_leaf(o, roots, numpy=numpy, need_shape=need_shape)
+            if f:
+                return f
+        return None
+    if isinstance(obj, dict):
+        return foreign_leaf(list(obj.values()), roots, numpy=numpy, need_shape=need_shape)
+    cls = type(obj)
+    if (cls.__module__.split(".")[0] in roots and (not need_shape or hasattr(obj, "shape"))) or \
+            (numpy and _is_ndarray(obj)):
+        return f"{cls.__module__}.{cls.__name__}"
+    return None
+
+
+def _is_ndarray(obj: Any) -> bool:
+    np = sys.modules.get("numpy")  # an ndarray exists only once numpy is imported
+    return np is not None and isinstance(obj, np.ndarray)
+
+
+def module_parents(addresses: Iterable[str]) -> dict[str, str]:
+    """address -> parent address for every module address but the root `"self"`: the nearest
+    dotted prefix that is itself a module address (`layers.0` of a list attribute `layers` has the
+    parent above `layers`), `"self"` when there is none."""
+    known = set(addresses)
+    parents = {}
+    for addr in known:
+        if addr == "self":
+            continue
+        up = addr.rpartition(".")[0]
+        while up and up not in known:
+            up = up.rpartition(".")[0]
+        parents[addr] = up or "self"
+    return parents
+
+
+def call_site(frame: Any, stop: Any, limit: int = 16) -> tuple:
+    """`(code, last instruction)` pairs from `frame` outwards, up to (not including) the first
+    frame whose code is `stop` (a code object, or a set/frozenset of them) and at most `limit`
+    pairs: the key that tells two calls of one op from the same Python line apart (loops,
+    helpers) and the same call in two runs together."""
+    key = []
+    f = frame
+    if isinstance(stop, (set, frozenset)):
+        while f is not None and f.f_code not in stop and len(key) < limit:
+            key.append((f.f_code, f.f_lasti))
+            f = f.f_back
+    else:
+        while f is not None and f.f_code is not stop and len(key) < limit:
+            key.append((f.f_code, f.f_lasti))
+            f = f.f_back
+    return tuple(key)
+
+
 __all__ = [
+    "leaf_paths", "foreign_leaf", "call_site", "module_parents",
+    "GradOptions", "GradState", "OutLeaf", "SOURCE_KINDS", "out_template", "rebuild", "keep_for_backward",
+    "backward_state", "grad_keys", "by_event", "forward_edits", "perturbed_replay", "loss_value", "store_grads",
     "BackendSpec", "FrameworkRequirement", "hookimpl", "lazy_loader",
     "BackendCapabilities", "BackendProtocol", "CAPABILITY_PROTOCOLS", "SupportsInterventions", "SupportsBackward",
     "SupportsValidation", "SupportsValidationSession", "SupportsPersistence", "SupportsHostValues",

@@ -276,7 +276,16 @@ def _build(model_info: ModelInfo, events: EventLog | Iterable[Any], output: Any,
             cost.total_macs += total_macs
             cost.macs_by_kind = macs_by_kind
         cost.total_activation_memory += activation
-        cost.total_param_memory = sum(p.nbytes for p in params.values())
+        param_bytes = 0
+        for p in params.values():  # `Param.nbytes`, with one computation per (shape, dtype)
+            key = (p.shape, p.dtype)
+            nb = nbytes_of.get(key) if type(p.shape) is tuple else None
+            if nb is None:
+                nb = p.nbytes
+                if type(p.shape) is tuple:
+                    nbytes_of[key] = nb
+            param_bytes += nb
+        cost.total_param_memory = param_bytes
     trace.cost = cost
     stamp_params = port("stamp_params")
 
@@ -293,6 +302,8 @@ def drop_uncalled_modules(trace: Trace) -> None:
     uncalled = [a for a, m in trace._modules.items() if not m.calls and a != "self"]
     trace.uncalled_modules = list(dict.fromkeys([*trace.uncalled_modules, *uncalled]))
     gone = set(trace.uncalled_modules)
+    if not gone:
+        return  # every module ran (the common case)
     for a in gone:
         trace._modules.pop(a, None)
     for m in trace._modules.values():

@@ -34,6 +34,10 @@ def save_plan(save: Any) -> SavePlan:
         return SavePlan("all")
     if isinstance(save, Selector):
         return SavePlan("select", save)
+    if isinstance(save, str) and save == "stats":  # reduce and discard: tl.trace handles it before any backend
+        raise InvalidArgumentError("save_spec_invalid", "save='stats' (reduce and discard) is taken by tl.trace only",
+                                   remedy="tl.trace(model, x, save='stats'), then tl.stats.site_stats(trace)",
+                                   save="stats")
     if isinstance(save, str):
         return SavePlan("select", [save])
     if isinstance(save, (list, tuple)):

@@ -5,11 +5,15 @@ compare members with `compare`, read one site across members with `at(site)`, dr
 difference with `draw(graph="diff")`, save it with `save`. See docs/guides/bundles.md.
 """
 
+from torchlens.bundle.alternative import AlternativeCall, AlternativeReport
+from torchlens.bundle.binding import TokenBinding, attach_sidecar
 from torchlens.bundle.core import Bundle, CompareRows, StoredComparison
 from torchlens.bundle.guard import snapshot_params
 from torchlens.bundle.metrics import METRICS
 from torchlens.bundle.relations import MemberRelationRow, OpaqueRelationRow, RelationGrade
+from torchlens.bundle.tokens import TokenDivergence, TokenPairs
 from torchlens.bundle.views import ComparisonMatrix, SuperOp, SuperParam
 
 __all__ = ["Bundle", "CompareRows", "StoredComparison", "snapshot_params", "METRICS", "MemberRelationRow",
-           "OpaqueRelationRow", "RelationGrade", "ComparisonMatrix", "SuperOp", "SuperParam"]
+           "OpaqueRelationRow", "RelationGrade", "ComparisonMatrix", "SuperOp", "SuperParam", "TokenBinding",
+           "TokenDivergence", "TokenPairs", "attach_sidecar", "AlternativeCall", "AlternativeReport"]

@@ -9,6 +9,10 @@ Layout::
       members/0000/ ...    each member, a trace `.tlspec` written by Trace.save
       snapshots/0000.safetensors   the member's capture-time parameter snapshot, when it has one
 
+A member entry's "binding" is its attached token-stream binding (a token_boundary_v1 mapping,
+or null); on load it is checked against the loaded member's own ids before any relation row
+is re-checked, so a verified fed_by row stays verified only while its evidence holds.
+
 The bundle manifest pins each member's own manifest by digest, and a member's manifest pins
 every file of the member, so one chain of digests covers the whole directory. Loading reads
 nothing it has not bounded and checked (strict JSON, no duplicate keys, exact key sets,
@@ -27,6 +31,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from torchlens.bundle import binding as _binding
 from torchlens.bundle.guard import attach_snapshot, snapshot_of
 from torchlens.errors import ArtifactError, TorchLensError
 from torchlens.io import publish
@@ -91,7 +96,9 @@ def save_bundle(bundle: Any, path: Any, overwrite: bool = False) -> Path:
             data = (st.path / folder / "manifest.json").read_bytes()
             files[f"{folder}/manifest.json"] = _entry(data)
             snap_name = _write_snapshot(st.path, i, snapshot_of(trace), files)
-            members.append({"name": name, "dir": folder, "snapshot": snap_name})
+            held = _binding.attached(trace)
+            members.append({"name": name, "dir": folder, "snapshot": snap_name,
+                            "binding": None if held is None else held.to_json()})
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": KIND, "torchlens_version": __version__,
                     "members": members, "baseline": bundle._baseline, "files": files}
         publish.write_file(st.path / "manifest.json", render(manifest), sync=False)
@@ -246,7 +253,8 @@ def _read_checked_layout(target: Path) -> tuple[dict[str, Any], list[Any]]:
     names, dirs = [], []
     snaps = []
     for i, e in enumerate(members):
-        if not (isinstance(e, dict) and set(e) == {"name", "dir", "snapshot"} and type(e["name"]) is str
+        if not (isinstance(e, dict) and set(e) - {"binding"} == {"name", "dir", "snapshot"} and type(e["name"]) is str
+                and (e.get("binding") is None or isinstance(e["binding"], dict))
                 and 0 < len(e["name"]) <= 256 and e["dir"] == f"members/{i:04d}" and _DIR_RE.match(e["dir"])
                 and e["snapshot"] in (None, f"snapshots/{i:04d}.safetensors")):
             raise _bad(target, f"members[{i}] is malformed")
@@ -320,6 +328,12 @@ def load_bundle(path: Any, lazy: bool = False) -> Any:
             snapshots[e["name"]] = _read_snapshot(target, e["snapshot"], manifest["files"][e["snapshot"]],
                                                   members[e["name"]])
     bundle = Bundle(members, baseline=manifest["baseline"])
+    for i, e in enumerate(manifest["members"]):
+        if e.get("binding") is not None:
+            try:
+                _binding.restore(members[e["name"]], e["binding"])
+            except TorchLensError as exc:
+                raise _bad(target, f"members[{i}].binding: {exc.message}") from None
     bundle._append_rows(rows, opaque_ok=True)  # every row re-checked; unknown namespaced kinds stay opaque
     for name, snap in snapshots.items():
         attach_snapshot(members[name], snap)

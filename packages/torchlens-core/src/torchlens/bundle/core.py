@@ -198,35 +198,39 @@ class Bundle:
         return self
 
     def _append_rows(self, items: list[Any], opaque_ok: bool = False) -> None:
+        from torchlens.bundle.tokens import settle
+
         rows = [make_row(i, self._members, opaque_ok) for i in items]
         check_acyclic(self._rows + rows)
-        for r in rows:
-            self._check_spans(r)
+        # fed_by spans must lie inside both members' bound streams; a verified/matched claim is
+        # re-checked against the token-stream bindings (verified, declared, or refused)
+        rows = [settle(r, self._members) for r in rows]
         self._rows.extend(rows)
 
-    def _check_spans(self, row: Any) -> None:
-        """fed_by token spans must lie inside both members' bound streams (the derived input
-        stream of a batch-of-one capture whose ids were saved); spans of a member with no bound
-        stream stay declared and unchecked."""
-        spans = row.params.get("token_spans") if row.kind == "fed_by" else None
-        if not spans:
-            return
-        reader, source = row.members
-        lengths = {}
-        for side, name in (("source", source), ("reader", reader)):
-            stream = align.input_token_stream(self._members[name])
-            lengths[side] = None if stream is None else int(stream.shape[0])
-        for i, (s0, s1, d0, d1) in enumerate(spans):
-            for side, end in (("source", s1), ("reader", d1)):
-                n = lengths[side]
-                if n is not None and end > n:
-                    raise BundleError("bundle_relation_span_out_of_bounds",
-                                      f"token_spans[{i}] ends at {end}, past the {side} member's {n} bound tokens",
-                                      remedy="give spans inside each member's token stream (half-open [start, end))",
-                                      row_index=i, side=side, length=n)
+    def token_pairs(self, reader: str, source: str) -> Any:
+        """The verified one-to-one token positions of "reader fed_by source" (relate's order)
+        as a `TokenPairs`; only spans of verified rows that re-check now pair (experimental)."""
+        from torchlens.bundle.tokens import token_pairs
+
+        return token_pairs(self._rows, self._members, reader, source)
+
+    def add_alternative(self, second_run: Any, steered: Any = (), prefix: str = "cf_") -> Any:
+        """Merge a second run of your own harness (its `steered` calls captured under their
+        specs) as `prefix + name` members, pairing calls by name; returns an
+        `AlternativeReport`. Every refusal comes before anything changes (experimental)."""
+        from torchlens.bundle.alternative import add_alternative
+
+        return add_alternative(self, second_run, steered, prefix)
+
+    def token_divergence(self, original: str, rerun: str) -> Any:
+        """A `TokenDivergence`: where two bound members' prompts and completions part, by exact
+        token ids (experimental)."""
+        from torchlens.bundle.tokens import token_divergence
+
+        return token_divergence(self._members, original, rerun)
 
     def relation_grades(self) -> list[RelationGrade]:
-        return [_grade(r) for r in self._rows]
+        return [_grade(r, self._members) for r in self._rows]
 
     def upstream(self, name: str) -> list[str]:
         self._members[name]

@@ -7,7 +7,9 @@ value, difference and trajectory reads on a Bundle refuse with
 carries an immutable parameter snapshot. `snapshot_params(trace)` takes one: host copies of
 every parameter value, marked read-only, taken only when the trace's capture stamps prove no
 parameter changed since capture (else `checkpoint_snapshot_stale`), so the copy is the
-capture-time value. Call it right after `tl.trace`, before the model changes.
+capture-time value. Call it right after `tl.trace`, before the model changes, or capture with
+`tl.options.CaptureOptions(snapshot_params=True)`: `tl.trace` then takes it as the capture's
+last step (`take_capture_snapshot`), so no model change can come between.
 
 The guard is keyed on whether a snapshot exists, never on object identity. Snapshots live in
 memory beside the trace; `Bundle.save` writes each member's snapshot into the bundle artifact
@@ -54,6 +56,15 @@ def snapshot_params(trace: Any) -> dict[str, np.ndarray]:
     return snap
 
 
+def take_capture_snapshot(trace: Any, capture: Any) -> None:
+    """The `CaptureOptions(snapshot_params=True)` step: `tl.trace` calls it on the finished
+    trace before returning it (nothing else has run since the forward)."""
+    from torchlens.records.trace import Trace
+
+    if isinstance(trace, Trace) and capture is not None and getattr(capture, "snapshot_params", False):
+        snapshot_params(trace)
+
+
 def attach_snapshot(trace: Any, snap: dict[str, np.ndarray]) -> None:
     """Bind a snapshot read back from a bundle artifact (its bytes were checked on load)."""
     for arr in snap.values():
@@ -73,9 +84,10 @@ def require_snapshots(members: dict[str, Any], names: Iterable[str], read: str) 
         raise BundleError("checkpoint_series_live_params",
                           f"{read} reads parameter values across members, but {lacking} carry only live references "
                           "(a later optimizer step would show up in every member)",
-                          remedy="call torchlens.bundle.snapshot_params(trace) right after each capture",
+                          remedy="capture each member with tl.options.CaptureOptions(snapshot_params=True), or call "
+                                 "torchlens.bundle.snapshot_params(trace) right after each capture",
                           members=lacking, read=read)
     return {n: _SNAPSHOTS[members[n]] for n in names}
 
 
-__all__ = ["snapshot_params", "snapshot_of", "attach_snapshot", "require_snapshots"]
+__all__ = ["snapshot_params", "take_capture_snapshot", "snapshot_of", "attach_snapshot", "require_snapshots"]

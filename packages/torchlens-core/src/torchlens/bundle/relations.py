@@ -8,9 +8,11 @@ joins. Every row is checked against its kind's fixed params when it is made (`re
 the constructor) and again on every load; a malformed row raises
 `bundle_relation_schema_invalid`, a row naming an absent member `bundle_relation_member_missing`.
 
-Not built yet (named, refused, never guessed): token-stream bindings, so a fed_by row that
-claims `basis="verified"` or `"matched"` has no evidence to re-check and is stored as
-`"declared"` (the spec's rule for missing evidence), and `token_spans="auto"` refuses.
+A fed_by row that claims `basis="verified"` or `"matched"` is settled by the Bundle against
+the members' token-stream bindings (torchlens.bundle.binding) every time it is added or
+loaded: verified when every check passes, declared when evidence is missing, refused
+(`bundle_relation_span_unverified`) when the evidence contradicts it; `token_spans="auto"`
+runs the span matcher (torchlens.bundle.tokens.match_spans).
 """
 
 from __future__ import annotations
@@ -128,6 +130,55 @@ def _check_evidence(kind: str, evidence: Any) -> None:
                           size=size)
 
 
+MEMBER_CLASSES = ("member_input", "member_output", "member_state", "member_params")
+EXOGENOUS_CLASSES = ("declared_carry", "declared_transform", "harness_record")
+ITEM_CLASSES = MEMBER_CLASSES + EXOGENOUS_CLASSES
+RESERVED_SCHEMAS = {
+    "version_boundary_v1": frozenset(MEMBER_CLASSES + ("declared_transform",)),
+    "turn_boundary_v1": frozenset(("member_input", "member_output", "member_state", "declared_carry",
+                                   "declared_transform", "harness_record")),
+}
+MEASURED_GRADES = ("verified", "consistent", "divergent")
+
+
+def _check_items(kind: str, evidence: Mapping[str, Any], seams: Any) -> dict[str, Any]:
+    """Evidence items: each a mapping; its `class` one of the seven (required by the reserved
+    schemas, which also limit the classes); its `seam` one the row declares. A user-written
+    measurement grade is stored as `disclosed`, the original under `declared_grade`."""
+    out = dict(evidence)
+    items = out.get("items")
+    if items is None:
+        return out
+    if not isinstance(items, (list, tuple)):
+        raise _bad("evidence items must be a list", kind=kind)
+    schema = out.get("schema")
+    allowed = RESERVED_SCHEMAS.get(schema) if isinstance(schema, str) else None
+    stored = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise _bad(f"evidence item {i} must be a mapping", kind=kind, item=i)
+        item = dict(item)
+        cls = item.get("class")
+        if cls is None and allowed is not None:
+            raise _bad(f"evidence item {i}: schema {schema!r} requires a class on every item", kind=kind, item=i)
+        if cls is not None and cls not in ITEM_CLASSES:
+            raise _bad(f"evidence item {i}: class {cls!r} is not one of {ITEM_CLASSES}", kind=kind, item=i)
+        if cls is not None and allowed is not None and cls not in allowed:
+            raise _bad(f"evidence item {i}: schema {schema!r} does not accept class {cls!r}", kind=kind, item=i)
+        seam = item.get("seam")
+        if seam is not None and seam not in (seams if isinstance(seams, (list, tuple)) else ()):
+            raise _bad(f"evidence item {i}: seam {seam!r} is not one of the row's seams", kind=kind, item=i)
+        if item.get("grade") not in (None, "unchecked", "disclosed") + MEASURED_GRADES:
+            raise _bad(f"evidence item {i}: grade {item.get('grade')!r} is not unchecked, disclosed, verified, "
+                       "consistent or divergent", kind=kind, item=i)
+        if item.get("grade") in MEASURED_GRADES:
+            item["declared_grade"] = item["grade"]
+            item["grade"] = "disclosed"
+        stored.append(item)
+    out["items"] = stored
+    return out
+
+
 def _check_params(kind: str, params: Mapping[str, Any]) -> dict[str, Any]:
     extra = set(params) - PARAMS[kind]
     if extra:
@@ -135,14 +186,15 @@ def _check_params(kind: str, params: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(params)
     if "evidence" in out:
         _check_evidence(kind, out["evidence"])
+    if "evidence" in out:
+        out["evidence"] = _check_items(kind, out["evidence"], out.get("seams"))
     if "label" in out and type(out["label"]) is not str:
         raise _bad("label must be a string", kind=kind)
     if kind == "fed_by":
         spans = out.get("token_spans")
-        if isinstance(spans, str):
-            raise _bad("token_spans='auto' needs token-stream bindings, which this build does not record yet; "
-                       "pass the spans as rows of four ints", kind=kind)
-        if spans is not None:
+        if isinstance(spans, str) and spans != "auto":
+            raise _bad("token_spans is 'auto' or a list of [src_start, src_end, dst_start, dst_end] rows", kind=kind)
+        if spans is not None and spans != "auto":  # "auto" is matched by Bundle._append_rows (tokens.settle)
             if not isinstance(spans, (list, tuple)):
                 raise _bad("token_spans must be a list of [src_start, src_end, dst_start, dst_end] rows", kind=kind)
             rows = []
@@ -156,8 +208,7 @@ def _check_params(kind: str, params: Mapping[str, Any]) -> dict[str, Any]:
         basis = out.get("basis")
         if basis is not None and basis not in BASES:
             raise _bad(f"basis must be one of {BASES}", kind=kind)
-        if basis in ("verified", "matched"):
-            out["basis"] = "declared"  # no binding to re-check it against: stored as declared (spec rule)
+        # a verified/matched claim is settled by Bundle._settle against the members' bindings
         cov = out.get("coverage")
         if cov is not None and not (type(cov) in (int, float) and 0.0 <= cov <= 1.0):
             raise _bad("coverage must be a number in [0, 1]", kind=kind)
@@ -300,9 +351,11 @@ def check_acyclic(rows: list[MemberRelationRow]) -> None:
 
 @dataclass(frozen=True)
 class RelationGrade:
-    """One row's derived grade (experimental); computed when read, never stored. This build
-    grades only what a row declares: a bare row is `disclosed`, a row with evidence items is
-    `unchecked` with reason `evidence_checks_unbuilt` (no evidence check runs yet)."""
+    """One row's derived grade (experimental); computed when read, never stored. A bare row,
+    a carry_mode="none" fresh start and a row whose items are all disclosed grade `disclosed`;
+    a fed_by row whose token spans re-check against the bindings now grades `verified`
+    (`divergent` when they no longer do); items TorchLens has no check for yet grade the row
+    `unchecked` with reason `evidence_checks_unbuilt`."""
 
     kind: str
     members: tuple[str, ...]
@@ -315,14 +368,32 @@ class RelationGrade:
     items_by_grade: Mapping[str, int] = field(default_factory=dict)
 
 
-def grade(row: MemberRelationRow | OpaqueRelationRow) -> RelationGrade:
+def grade(row: MemberRelationRow | OpaqueRelationRow, members: Mapping[str, Any] | None = None) -> RelationGrade:
     if isinstance(row, OpaqueRelationRow):
         return RelationGrade(row.kind, row.members, "unchecked", unchecked_reasons=("kind_unregistered",))
+    if row.kind == "fed_by" and row.params.get("basis") in ("verified", "matched") and members is not None:
+        from torchlens.bundle.tokens import verify_spans
+
+        try:
+            basis, _ = verify_spans(members[row.members[0]], members[row.members[1]], row.params["token_spans"])
+        except BundleError:
+            return RelationGrade(row.kind, row.members, "divergent")
+        return RelationGrade(row.kind, row.members, "verified" if basis == "verified" else "disclosed")
     evidence = row.params.get("evidence")
     items = list(evidence.get("items") or ()) if isinstance(evidence, Mapping) else []
-    if not items:
-        return RelationGrade(row.kind, row.members, "disclosed")
-    return RelationGrade(row.kind, row.members, "unchecked", unchecked_reasons=("evidence_checks_unbuilt",))
+    by_class: dict[str, int] = {}
+    by_grade: dict[str, int] = {}
+    for item in items:
+        cls, g = item.get("class"), item.get("grade") or "unchecked"
+        if cls is not None:
+            by_class[cls] = by_class.get(cls, 0) + 1
+        by_grade[g] = by_grade.get(g, 0) + 1
+    exogenous = sum(n for c, n in by_class.items() if c in EXOGENOUS_CLASSES)
+    facts = dict(items_by_class=MappingProxyType(by_class), items_by_grade=MappingProxyType(by_grade),
+                 exogenous_items=exogenous)
+    if not items or set(by_grade) == {"disclosed"}:
+        return RelationGrade(row.kind, row.members, "disclosed", **facts)
+    return RelationGrade(row.kind, row.members, "unchecked", unchecked_reasons=("evidence_checks_unbuilt",), **facts)
 
 
 __all__ = ["MemberRelationRow", "OpaqueRelationRow", "RelationGrade", "PAIR_KINDS", "MEMBER_KINDS", "ORDERING_KINDS", "make_row",

@@ -23,7 +23,7 @@ from torchlens.errors import InvalidArgumentError
 from torchlens.stats._base import KINDS, Accumulator
 from torchlens.stats.decomp import CKA
 from torchlens.stats.moments import CrossCovariance
-from torchlens.stats.order import TopK
+from torchlens.stats.order import Quantile, TopK
 from torchlens.stats.state import dumps_state, loads_state
 
 _PAIRED = (CKA, CrossCovariance)
@@ -55,7 +55,8 @@ def canonical_key(key: Any) -> str:
 
 
 def aggregate(model: Any, dataloader: Any, metrics: Any, loss_fn: Callable[[Any], Any] | None = None, *,
-              distributed: Any = None, backend: str | None = None, cache: bool = False) -> dict[str, Accumulator]:
+              distributed: Any = None, backend: str | None = None, cache: bool = False,
+              cache_dir: Any = None) -> dict[str, Accumulator]:
     """Fold every batch of `dataloader` (each item one batch: an input, a tuple of inputs or a
     dict of keyword inputs) into `metrics` ({key: accumulator}); returns {canonical key:
     accumulator}, the same accumulators, folded. `loss_fn(output)` gives the loss whose
@@ -65,9 +66,11 @@ def aggregate(model: Any, dataloader: Any, metrics: Any, loss_fn: Callable[[Any]
 
     if not isinstance(metrics, dict) or not metrics:
         raise _bad("metrics is not a non-empty dict")
-    if cache:
-        raise InvalidArgumentError("stats_option_unsupported", "aggregate(cache=True) is not built yet",
-                                   remedy="drop cache=; save states with tl.stats.save_fitted")
+    if not isinstance(cache, bool):
+        raise InvalidArgumentError("invalid_argument", f"cache= takes True or False, not {cache!r}", remedy="cache=True")
+    if cache_dir is not None and not cache:
+        raise InvalidArgumentError("invalid_argument", "cache_dir= is given without cache=True",
+                                   remedy="aggregate(..., cache=True, cache_dir=path)")
     reads: dict[Any, list[tuple[str, str]]] = {}
     for key, acc in metrics.items():
         if not isinstance(acc, Accumulator) or KINDS.get(type(acc).__name__) is not type(acc):
@@ -84,6 +87,19 @@ def aggregate(model: Any, dataloader: Any, metrics: Any, loss_fn: Callable[[Any]
         raise InvalidArgumentError("invalid_argument", "loss_fn= is not callable", remedy="loss_fn=lambda out: out.sum()")
     batching.check(dataloader, None, None)
     group = resolve_group(distributed)
+    run_key = None
+    if cache:  # keyed by value (stats_cache.py): a hit restores the states and skips the loop
+        from torchlens.dataset_extraction import stats_cache
+
+        if group.world_size > 1:
+            raise stats_cache._unkeyable("a multi-process group (each rank would key and write on its own)",
+                                         part="distributed", world_size=group.world_size)
+        run_key = stats_cache.cache_key(model, dataloader, metrics, loss_fn, backend, canonical_key)
+        hit = stats_cache.load_entry(cache_dir, run_key, metrics, canonical_key)
+        if hit is not None:
+            for k, acc in metrics.items():
+                acc._load_state(hit[k].state_dict())
+            return {canonical_key(k): acc for k, acc in metrics.items()}
     sites = sorted({site for r in reads.values() for _, site in r})
     capture = CaptureOptions(save_grads=need_grad, detach_saved_activations=not need_grad)
     work = {key: acc.copy() for key, acc in metrics.items()}
@@ -108,7 +124,7 @@ def aggregate(model: Any, dataloader: Any, metrics: Any, loss_fn: Callable[[Any]
             if hasattr(acc, "encoder"):
                 fresh.encoder = acc.encoder
             args = [values[r] for r in reads[key]]
-            if isinstance(fresh, TopK):
+            if isinstance(fresh, TopK) or (isinstance(fresh, Quantile) and fresh.mode == "reservoir"):
                 fresh.update(*args, example_ids=np.arange(b.start, b.stop))
             else:
                 fresh.update(*args)
@@ -139,8 +155,10 @@ def aggregate(model: Any, dataloader: Any, metrics: Any, loss_fn: Callable[[Any]
                 round_.clear()
         if round_:
             flush()
-    for key, acc in metrics.items():
-        acc._load_state(work[key].state_dict())
+    for mkey, acc in metrics.items():
+        acc._load_state(work[mkey].state_dict())
+    if run_key is not None:
+        stats_cache.save_entry(cache_dir, run_key, metrics, canonical_key)
     return {canonical_key(k): acc for k, acc in metrics.items()}
 
 

@@ -3,8 +3,9 @@ to exchange bytes, without core importing a framework.
 
 A group is any object with `rank`, `world_size`, `all_gather_bytes(data) -> list[bytes]` (one
 entry per rank, in rank order) and `barrier()`. `torchlens_torch.distributed_data.TorchDistributedGroup`
-is one on `torch.distributed` (gloo or NCCL); it registers a provider so `distributed=None`
-picks the initialised default group up on its own. Work is split by batch index
+is one on `torch.distributed` (gloo or NCCL); the torch plugin registers a lazy provider when
+it loads (it imports `torchlens_torch.distributed_data` only once `torch.distributed` is in
+use), so `distributed=None` picks the initialised default group up on its own. Work is split by batch index
 (`batch % world_size == rank`), so every row is handled exactly once.
 """
 
@@ -48,6 +49,9 @@ def register_group_provider(provider: Callable[[], Any]) -> None:
 
 
 def _provided() -> Any:
+    from torchlens.backends.registry import specs
+
+    specs()  # loads the plugins once: a backend's plugin registers its framework's provider when it loads
     for provider in _PROVIDERS:
         group = provider()
         if group is not None:
@@ -66,8 +70,8 @@ def resolve_group(distributed: Any) -> Any:
         group = _provided()
         if group is None:
             raise InvalidArgumentError("distributed_unavailable", "distributed=True but no data-parallel group is initialised",
-                                       remedy="launch with torchrun and call torch.distributed.init_process_group(), "
-                                              "after `import torchlens_torch.distributed_data`")
+                                       remedy="launch with torchrun and call torch.distributed.init_process_group() "
+                                              "before the run (the framework's backend plugin finds the group)")
         return group
     if isinstance(distributed, DataParallelGroup) and isinstance(distributed.rank, int) \
             and isinstance(distributed.world_size, int) and 0 <= distributed.rank < distributed.world_size:

@@ -101,6 +101,11 @@ class ExtractionReader:
     def __getitem__(self, key: str) -> np.ndarray:
         """All rows of one key, concatenated in stimulus order."""
         self._keys([key])
+        if self._sites[key].get("varying_shape", False):
+            raise InvalidArgumentError("invalid_argument", f"{key!r} has a different row shape in different shards "
+                                       "(ragged='trim' or ready batches of different widths)",
+                                       remedy="read it per shard with shard(i) / batches(), or as token rows with "
+                                              "token_rows() / token_batch(i)")
         return np.concatenate([self.shard(i, [key])[key] for i in range(self.num_shards)], axis=0)
 
     def _token_keys(self, keys: Sequence[str] | None) -> list[str]:
@@ -112,13 +117,18 @@ class ExtractionReader:
         return keys
 
     def _tokens_of(self, index: int, keys: list[str]) -> TokenRows:
-        arrays = self.shard(index, keys)
+        masked = "token_mask" in self._sites  # ragged="trim": padding is never a token row
+        arrays = self.shard(index, sorted(set(keys) | {"token_mask"}) if masked else keys)
         entry = self._shards[index]
         first = arrays[keys[0]]
         b, t = first.shape[:2]
         stim = np.repeat(np.arange(entry["rows"][0], entry["rows"][0] + b), t)
         pos = np.tile(np.arange(t), b)
-        return TokenRows({k: a.reshape(b * t, *a.shape[2:]) for k, a in arrays.items()}, stim, pos, b * t)
+        values = {k: arrays[k].reshape(b * t, *arrays[k].shape[2:]) for k in keys}
+        if masked:
+            keep = arrays["token_mask"].reshape(b * t) == 1
+            values, stim, pos = {k: v[keep] for k, v in values.items()}, stim[keep], pos[keep]
+        return TokenRows(values, stim, pos, len(stim))
 
     def token_batch(self, shard_index: int, keys: Sequence[str] | None = None) -> TokenRows:
         """One shard's token-axis keys, one row per token."""

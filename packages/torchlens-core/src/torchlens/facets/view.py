@@ -23,6 +23,32 @@ from torchlens.facets.authoring import running_for
 from torchlens.facets.spec import FacetSpec
 
 STATUSES: tuple[str, ...] = ("available_now", "structurally_absent", "needs_capture", "declared_not_produced")
+#: `trace.annotations[INVALIDATED]` = {module address: facet names}: facets an edit made stale on
+#: this trace (the mechinterp kit's patch_head sets it on its patched rerun: the head edit was
+#: lowered to another op, so z / pattern / result of that module do not hold the run's values)
+INVALIDATED = "mi_invalidated_facets"
+
+
+def invalidated_facets(trace: Any, address: str) -> frozenset[str]:
+    """The facet names `trace.annotations["mi_invalidated_facets"]` marks stale for `address`."""
+    from collections.abc import Iterable, Mapping
+
+    marks = (getattr(trace, "annotations", None) or {}).get(INVALIDATED)
+    if marks is None:
+        return frozenset()
+    if not isinstance(marks, Mapping):
+        raise FacetError("facet_annotation_invalid", f"trace.annotations[{INVALIDATED!r}] is a "
+                         f"{type(marks).__name__}, not a mapping of module address -> facet names",
+                         remedy=f"set trace.annotations[{INVALIDATED!r}] = {{address: ('z', ...)}}", key=INVALIDATED)
+    names = marks.get(address)
+    if names is None:
+        return frozenset()
+    names = (names,) if isinstance(names, str) else names
+    if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
+        raise FacetError("facet_annotation_invalid", f"trace.annotations[{INVALIDATED!r}][{address!r}] is not a "
+                         "collection of facet names", remedy="give a tuple of facet names, e.g. ('z', 'result')",
+                         key=INVALIDATED, module=address)
+    return frozenset(names)
 
 
 @dataclass(frozen=True)
@@ -325,8 +351,25 @@ class FacetView:
     def address(self) -> str:
         return self._call.address
 
+    def _invalid(self, name: str, entry: Entry | None) -> bool:
+        """Whether `name` (or the native facet an alias names) is marked stale on this trace."""
+        from torchlens.facets.aliases import TRANSFORMER_LENS_ALIASES
+
+        stale = invalidated_facets(self._call._trace, self.address)
+        if not stale:
+            return False
+        native = TRANSFORMER_LENS_ALIASES.get(name, name) if entry is not None and entry.kind == "alias" else name
+        return name in stale or native in stale
+
+    def _refuse_invalid(self, name: str) -> FacetLookupError:
+        return FacetLookupError("facet_invalidated", f"facet {name!r} of {self.address!r} does not hold this trace's "
+                                f"run: an edit marked it stale (trace.annotations[{INVALIDATED!r}])",
+                                remedy="read the op the edit was written to, or a downstream facet; recompute the "
+                                "value from the edit", facet=name, module=self.address)
+
     def keys(self) -> list[str]:
-        return [n for n, e in self._entries.items() if e.status == "available_now" and e.kind != "position"]
+        return [n for n, e in self._entries.items()
+                if e.status == "available_now" and e.kind != "position" and not self._invalid(n, e)]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
@@ -336,7 +379,7 @@ class FacetView:
 
     def __contains__(self, name: object) -> bool:
         e = self._entries.get(name) if isinstance(name, str) else None
-        return e is not None and e.status == "available_now"
+        return e is not None and e.status == "available_now" and not self._invalid(name, e)
 
     def has(self, name: str) -> bool:
         return name in self
@@ -353,7 +396,11 @@ class FacetView:
         return {n: e.status for n, e in self._entries.items() if e.kind != "position"}
 
     def reasons(self) -> dict[str, str]:
-        return {n: e.reason for n, e in self._entries.items() if e.reason}
+        out = {n: e.reason for n, e in self._entries.items() if e.reason}
+        for n, e in self._entries.items():
+            if self._invalid(n, e):
+                out[n] = f"invalidated: an edit marked it stale (trace.annotations[{INVALIDATED!r}])"
+        return out
 
     def __getitem__(self, name: Any) -> Facet:
         if isinstance(name, (tuple, list)):
@@ -368,6 +415,8 @@ class FacetView:
             raise FacetLookupError("facet_structurally_absent", f"facet {name!r} is absent in {self.address!r}: "
                                    f"{e.reason}", remedy="read another facet; see .declared()", facet=name,
                                    module=self.address)
+        if self._invalid(name, e):
+            raise self._refuse_invalid(name)
         if e.status == "needs_capture":
             raise MissingFacetError("facet_needs_capture", f"facet {name!r} of {self.address!r} is not readable in this "
                                     f"capture", remedy=e.reason, facet=name, module=self.address)
@@ -423,6 +472,8 @@ class HeadView:
         object.__setattr__(self, "index", index)
 
     def __getitem__(self, name: str) -> Facet:
+        if self._view._invalid(name, self._view._entries.get(name)):
+            raise self._view._refuse_invalid(name)
         return Facet(f"{name}[head {self.index}]", head_spec(self._view, name, self.index),
                      self._view._call._trace, self._view.address)
 
@@ -532,6 +583,6 @@ def attention_blocks(trace: Any) -> list[Any]:
     return out
 
 
-__all__ = ["FacetView", "Facet", "HeadView", "MissingGrad", "Entry", "STATUSES", "module_facets", "call_facets",
-           "modules_with_facet", "attention_blocks", "call_entries", "home_value", "head_spec", "structural_names",
+__all__ = ["FacetView", "Facet", "HeadView", "INVALIDATED", "invalidated_facets", "MissingGrad", "Entry", "STATUSES",
+           "module_facets", "call_facets", "modules_with_facet", "attention_blocks", "call_entries", "home_value", "head_spec", "structural_names",
            "structural_rows"]

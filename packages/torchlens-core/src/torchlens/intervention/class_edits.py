@@ -32,9 +32,25 @@ class AttachedClassEdits:
 
 
 def _wrap(original: Any) -> Any:
+    token = object()  # this wrapper, told apart from the wrapper of another patched class
+
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
+        # One module call is edited once. A subclass whose __call__ reaches a patched base
+        # class's __call__ through super() (Keras: Layer.__call__ -> Operation.__call__) re-enters
+        # on the same object through another wrapper: that inner pass only runs the original.
+        # The same wrapper re-entered (a module calling itself) is a call of its own.
+        inflight = _ACTIVE.__dict__.setdefault("inflight", {})
+        chain = inflight.setdefault(id(self), [])
+        if chain and chain[-1] is not token:
+            return original(self, *args, **kwargs)
+        chain.append(token)
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            chain.pop()
+            if not chain:
+                del inflight[id(self)]
         for state in list(getattr(_ACTIVE, "states", ())):
             out = state["on_exit"](self, out)
         return out

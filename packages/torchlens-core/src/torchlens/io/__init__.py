@@ -18,3 +18,13 @@ from torchlens.io.trace_safetensors import SafetensorsTrace, read_safetensors, w
 __all__ = ["save", "load", "detect_tlspec_format", "read_safetensors", "write_safetensors", "SafetensorsTrace",
            "PayloadCodec", "EncodedPayload", "NumpyCodec", "DTYPE_ITEMSIZE", "backend_codec", "trace_differences",
            "FORMAT_VERSION", "save_intervention", "load_intervention_spec", "InterventionSpec"]
+
+
+def __getattr__(name: str):
+    # `tl.io.attach_sidecar` (spec name) lives with the bundle's token-stream bindings; imported
+    # lazily because the bundle layer sits above io.
+    if name == "attach_sidecar":
+        from torchlens.bundle.binding import attach_sidecar
+
+        return attach_sidecar
+    raise AttributeError(f"module 'torchlens.io' has no attribute {name!r}")

@@ -581,6 +581,11 @@ class Trace(TraceLike):
         return [o for o in self._ops.values() if o.kind == "output"]
 
     @property
+    def output_layers(self) -> list[str]:
+        """The labels of the output ops, in order (`trace[trace.output_layers[0]]` is the first)."""
+        return [o.label for o in self._ops.values() if o.kind == "output"]
+
+    @property
     def saved_ops(self) -> OpCollection:
         return self.ops.saved
 

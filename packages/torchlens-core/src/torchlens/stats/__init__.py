@@ -17,6 +17,14 @@ from torchlens.stats.order import Histogram, Quantile, TopK, TopKResult, UnitTop
 from torchlens.stats.state import load_fitted, save_fitted
 
 
+def site_stats(trace: Any) -> Any:
+    """{op label: RunningStats} of a `tl.trace(model, x, save="stats")` capture; see
+    `torchlens.stats.reduce`."""
+    from torchlens.stats.reduce import site_stats as _site_stats
+
+    return _site_stats(trace)
+
+
 def aggregate(model: Any, dataloader: Any, metrics: Any, loss_fn: Any = None, **kwargs: Any) -> Any:
     """Stream `dataloader` through `model` and fold each metric's site into its accumulator;
     see `torchlens.dataset_extraction.aggregate`."""
@@ -26,5 +34,5 @@ def aggregate(model: Any, dataloader: Any, metrics: Any, loss_fn: Any = None, **
 
 
 __all__ = ["StreamingStat", "Mean", "Norm", "Covariance", "CrossCovariance", "Quantile", "TopK", "UnitTopK", "TopKResult",
-           "PCA", "CKA", "Histogram", "RunningStats", "RUNNING_SLOTS", "save_fitted", "load_fitted", "aggregate",
+           "PCA", "CKA", "Histogram", "RunningStats", "RUNNING_SLOTS", "save_fitted", "load_fitted", "aggregate", "site_stats",
            "cosine_distance", "relative_l1", "relative_l2", "KINDS"]

@@ -34,29 +34,74 @@ def _check_unit_axis(unit_axis: Any) -> int | None:
     return unit_axis
 
 
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic): a counter-based hash."""
+    with np.errstate(over="ignore"):
+        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _M64
+        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M64
+        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M64
+        return x ^ (x >> np.uint64(31))
+
+
+def _element_keys(seed: int, ids: np.ndarray, units: int, positions: int) -> np.ndarray:
+    """[b, units, positions] uint64 priority keys of (seed, example id, unit, position): fixed
+    per element, so any split of a stream keeps the same bottom-k."""
+    h = _splitmix(np.full(1, seed % 2**64, dtype=np.uint64))
+    h = _splitmix(h ^ ids.astype(np.int64).view(np.uint64))[:, None, None]
+    h = _splitmix(h ^ np.arange(units, dtype=np.uint64)[None, :, None])
+    return _splitmix(h ^ np.arange(positions, dtype=np.uint64)[None, None, :])
+
+
 @_register_kind
 class Quantile(Accumulator):
-    """Quantiles of every value seen (one set per unit with `unit_axis=`). Exact mode only."""
+    """Quantiles of every value seen (one set per unit with `unit_axis=`).
 
-    _ARRAYS = ("values",)
+    `mode="exact"` (default) keeps every value. `mode="reservoir"` keeps, per unit, a uniform
+    random sample of at most `size` values: each element gets a fixed priority key hashed from
+    (`seed`, its example id, unit, position within the example) and the reservoir holds the
+    `size` smallest keys. The reservoir of a stream is therefore the same however it is split
+    into batches, processes (`merge`) or save/load boundaries, as long as example ids are the
+    same (`update(x, example_ids=...)`; default: rows counted from 0 by this accumulator, so
+    streams merged from separately fed accumulators must pass ids). Up to `size` values per
+    unit the result is exact. Beyond, `rank_error(delta)` bounds how far the estimate's rank
+    can be from q: with probability at least 1 - delta, |F_n(estimate) - q| <= sqrt(ln(2 /
+    delta) / (2 * size)) (Hoeffding, sampling without replacement), F_n the data's empirical
+    distribution function."""
+
+    _ARRAYS = ("values", "keys", "seen", "count")
 
     def __init__(self, q: float | Sequence[float] = 0.5, *, mode: str = "exact", unit_axis: int | None = None,
-                 encoder: Callable[[Any], Any] | None = None) -> None:
+                 encoder: Callable[[Any], Any] | None = None, size: int = 4096, seed: int = 0) -> None:
         qs = np.atleast_1d(np.asarray(q, dtype=np.float64))
         if qs.ndim != 1 or not np.all((qs >= 0) & (qs <= 1)):
             raise InvalidArgumentError("invalid_argument", f"Quantile(q={q!r}) needs values in [0, 1]", remedy="q=[0.1, 0.5, 0.9]")
-        if mode != "exact":
-            raise InvalidArgumentError("stats_option_unsupported", f"Quantile(mode={mode!r}) is not built; only 'exact' is",
-                                       remedy="use mode='exact' (keeps every value)")
+        if mode not in ("exact", "reservoir"):
+            raise InvalidArgumentError("stats_option_unsupported", f"Quantile(mode={mode!r}) is not built; "
+                                       "'exact' and 'reservoir' are",
+                                       remedy="mode='exact' (keeps every value) or mode='reservoir' (size= values per unit)")
+        for name, v, lo in (("size", size, 1), ("seed", seed, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise InvalidArgumentError("invalid_argument", f"Quantile({name}={v!r}) is not an int >= {lo}",
+                                           remedy=f"{name}={lo if name == 'seed' else 4096}")
         self.q = [float(v) for v in qs]
         self._scalar_q = np.ndim(q) == 0
         self.mode = mode
         self.unit_axis = _check_unit_axis(unit_axis)
         self.encoder = encoder
+        self.size, self.seed = size, seed
         self._chunks: list[np.ndarray] = []
+        self._keys: np.ndarray | None = None  # reservoir: [units, m] int64 (uint64 bits)
+        self._seen = np.zeros(1, np.int64) if mode == "reservoir" else None  # rows folded (default example ids)
+        self._count = np.zeros(1, np.int64) if mode == "reservoir" else None  # elements per unit folded
 
     def config(self) -> dict[str, Any]:
-        return {"q": self.q if not self._scalar_q else self.q[0], "mode": self.mode, "unit_axis": self.unit_axis}
+        cfg = {"q": self.q if not self._scalar_q else self.q[0], "mode": self.mode, "unit_axis": self.unit_axis}
+        if self.mode == "reservoir":
+            cfg.update(size=self.size, seed=self.seed)
+        return cfg
 
     @property
     def _values(self) -> np.ndarray | None:
@@ -70,8 +115,10 @@ class Quantile(Accumulator):
     def _values(self, v: np.ndarray | None) -> None:
         self._chunks = [] if v is None else [v]
 
-    def update(self, x: Any) -> "Quantile":
+    def update(self, x: Any, example_ids: Sequence[int] | None = None) -> "Quantile":
         a = as_float64(self.encoder(x) if self.encoder is not None else x)
+        if self.mode == "reservoir":
+            return self._update_reservoir(a, example_ids)
         u = _units(a, self.unit_axis, "Quantile")
         if self._chunks and u.shape[0] != self._chunks[0].shape[0]:
             raise InvalidArgumentError("stats_shape_mismatch", f"{u.shape[0]} units, earlier batches had {self._chunks[0].shape[0]}",
@@ -80,8 +127,59 @@ class Quantile(Accumulator):
             self._chunks.append(u.copy())
         return self
 
+    def _update_reservoir(self, a: np.ndarray, example_ids: Any) -> "Quantile":
+        if a.ndim == 0:
+            raise InvalidArgumentError("stats_input_invalid", "a reservoir Quantile needs a batch with an example axis",
+                                       remedy="pass [examples, ...]")
+        b = a.shape[0]
+        if example_ids is None:
+            ids = self._seen[0] + np.arange(b, dtype=np.int64)
+        else:
+            ids = np.asarray(list(example_ids) if isinstance(example_ids, range) else example_ids)
+            if ids.shape != (b,) or not np.issubdtype(ids.dtype, np.integer):
+                raise InvalidArgumentError("stats_input_invalid", f"example_ids must be {b} ints, one per example",
+                                           remedy="example_ids=range(start, start + batch)")
+            ids = ids.astype(np.int64)
+        if self.unit_axis is None:
+            vals = a.reshape(b, 1, -1)
+        else:
+            ax = self.unit_axis % a.ndim
+            if ax == 0:
+                raise InvalidArgumentError("invalid_argument", "unit_axis names the example axis", remedy="unit_axis=-1")
+            vals = np.moveaxis(a, ax, 1).reshape(b, a.shape[ax], -1)
+        units, per = vals.shape[1], vals.shape[2]
+        if self._keys is not None and self._keys.shape[0] != units:
+            raise InvalidArgumentError("stats_shape_mismatch", f"{units} units, earlier batches had {self._keys.shape[0]}",
+                                       remedy="feed batches with the same unit axis")
+        keys = _element_keys(self.seed, ids, units, per).view(np.int64)
+        self._fold(np.moveaxis(vals, 1, 0).reshape(units, -1), np.moveaxis(keys, 1, 0).reshape(units, -1))
+        self._seen = self._seen + b
+        self._count = self._count + b * per
+        return self
+
+    def _fold(self, values: np.ndarray, keys: np.ndarray) -> None:
+        """Keep, per unit, the `size` smallest keys of the reservoir and these elements
+        (ties by value, so the result never depends on the order of folding)."""
+        if self._keys is not None:
+            values = np.concatenate([self._values, values], axis=1)
+            keys = np.concatenate([self._keys, keys], axis=1)
+        if keys.shape[1] > self.size:
+            ukeys = keys.view(np.uint64)
+            order = np.stack([np.lexsort((values[i], ukeys[i]))[:self.size] for i in range(keys.shape[0])])
+            values = np.take_along_axis(values, order, axis=1)
+            keys = np.take_along_axis(keys, order, axis=1)
+        self._values, self._keys = np.ascontiguousarray(values), np.ascontiguousarray(keys)
+
     def merge(self, other: "Quantile") -> "Quantile":
         self._require_same(other)
+        if self.mode == "reservoir":
+            if other._keys is not None:
+                if self._keys is not None and other._keys.shape[0] != self._keys.shape[0]:
+                    raise InvalidArgumentError("stats_merge_mismatch", "unit counts differ", remedy="merge like with like")
+                self._fold(other._values, other._keys)
+            self._seen = self._seen + other._seen
+            self._count = self._count + other._count
+            return self
         if other._chunks:
             self.update_units(other._values)
         return self
@@ -93,7 +191,19 @@ class Quantile(Accumulator):
 
     @property
     def count(self) -> int:
+        """Values folded per unit (in reservoir mode too, not the reservoir's size)."""
+        if self.mode == "reservoir":
+            return int(self._count[0])
         return 0 if not self._chunks else int(sum(c.shape[1] for c in self._chunks))
+
+    def rank_error(self, delta: float = 1e-3) -> float:
+        """With probability >= 1 - delta, the rank error |F_n(estimate) - q| of one quantile is
+        at most this (0 while the reservoir holds every value)."""
+        if not 0 < delta < 1:
+            raise InvalidArgumentError("invalid_argument", f"delta={delta!r} is not in (0, 1)", remedy="delta=1e-3")
+        if self.mode == "exact" or self.count <= self.size:
+            return 0.0
+        return float(np.sqrt(np.log(2.0 / delta) / (2.0 * self.size)))
 
     def result(self) -> np.ndarray:
         """[len(q)] (a scalar for a scalar q) or, per unit, [units, len(q)] ([units] for a scalar q)."""
@@ -110,6 +220,19 @@ class Quantile(Accumulator):
         v = self._values
         if v is not None and v.ndim != 2:
             raise bad_state("Quantile", "values is not [units, n]")
+        if self.mode == "exact":
+            if self._keys is not None or self._seen is not None or self._count is not None:
+                raise bad_state("Quantile", "an exact Quantile has no reservoir arrays")
+            return
+        for name in ("seen", "count"):
+            c = getattr(self, "_" + name)
+            if c is None or c.shape != (1,) or c.dtype != np.int64 or c[0] < 0:
+                raise bad_state("Quantile", f"{name} is not one non-negative int64")
+        k = self._keys
+        if (v is None) != (k is None) or (k is not None and (k.dtype != np.int64 or k.shape != v.shape
+                                                              or v.shape[1] > self.size
+                                                              or v.shape[1] != min(self.size, int(self._count[0])))):
+            raise bad_state("Quantile", "reservoir keys/values do not fit size and count")
 
 
 @dataclass(frozen=True)

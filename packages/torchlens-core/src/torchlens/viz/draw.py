@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchlens.errors import InvalidArgumentError
+from torchlens.errors import ArgumentConflictError, InvalidArgumentError
 from torchlens.viz import collapse as _collapse
 from torchlens.viz import containers as _containers
 from torchlens.viz import repeats as _repeats
@@ -167,8 +167,8 @@ def resolve_path(path: Any, file_format: str | None, default: str = "pdf") -> tu
     fmt = _norm_format(file_format) if file_format is not None else None
     if ext in FORMATS:
         if fmt is not None and _SAME.get(fmt, fmt) != _SAME.get(ext, ext):
-            raise InvalidArgumentError("file_format_mismatch", f"file_format={file_format!r} disagrees with the path {text!r}",
-                                       remedy=f"drop file_format, or write to a .{fmt} path", path=text, file_format=file_format)
+            raise ArgumentConflictError("draw_format_mismatch", f"file_format={file_format!r} disagrees with the path {text!r}",
+                                        remedy=f"drop file_format, or write to a .{fmt} path", path=text, file_format=file_format)
         return text, ext
     fmt = fmt or default
     return f"{text}.{fmt}", fmt

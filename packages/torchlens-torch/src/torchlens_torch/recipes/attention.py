@@ -106,9 +106,35 @@ def is_attention(module: Any) -> bool:
     return any(find_core(module._trace, call) is not None for call in module.calls)
 
 
+def _up(t: Any) -> Any:
+    """`t` in at least float32 (a half / bfloat16 value is upcast; float64 stays)."""
+    import torch
+
+    return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _mismatch(got: Any, captured: Any, magnitude: Any) -> float | None:
+    """None when `got` (recomputed in at least float32 from the captured inputs) reproduces the
+    captured value, else the largest absolute error (inf for a shape change). Within bound means
+    |got - captured| <= 1e-5 + 1e-4 |captured| (the float32 bound) or <= 4 eps (magnitude +
+    |captured|), eps the captured dtype's machine epsilon and magnitude the sum of the absolute
+    terms `got` adds up: the rounding a bfloat16 / float16 kernel is allowed, scaled with the dtype."""
+    import torch
+
+    if tuple(got.shape) != tuple(captured.shape):
+        return float("inf")
+    dt = torch.promote_types(torch.promote_types(got.dtype, captured.dtype), torch.float32)
+    got, cap, mag = (t.detach().to(dt) for t in (got, captured, magnitude))
+    eps = torch.finfo(captured.dtype).eps if captured.dtype.is_floating_point else 0.0
+    err = (got - cap).abs()
+    bound = torch.maximum(1e-5 + 1e-4 * cap.abs(), 4 * eps * (mag.abs() + cap.abs()))
+    return None if bool((err <= bound).all()) else float(err.max())
+
+
 def _sdpa_scores(trace: Any, op: Any) -> tuple[Any, Any]:
     """(scores after scale and mask, V with grouped heads expanded) from the SDPA call's own
-    inputs and options (PyTorch's enable_gqa repeat-interleave convention)."""
+    inputs and options (PyTorch's enable_gqa repeat-interleave convention), in at least
+    float32 (a bfloat16 / float16 kernel accumulates in float32 too)."""
     import torch
 
     args = op.args_template or ()
@@ -116,8 +142,8 @@ def _sdpa_scores(trace: Any, op: Any) -> tuple[Any, Any]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     given = {names[i]: a for i, a in enumerate(args) if i < len(names)}
     given.update(kw)
-    q, k, v = (arg_value(trace, op, given[n]) for n in names[:3])
-    mask = arg_value(trace, op, given.get("attn_mask"))
+    q, k, v = (_up(arg_value(trace, op, given[n])) for n in names[:3])
+    mask = _up(arg_value(trace, op, given.get("attn_mask")))
     scale = given.get("scale")
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else scale
     if k.shape[-3] != q.shape[-3]:
@@ -143,14 +169,15 @@ def _sdpa_checked(trace: Any, op: Any) -> tuple[Any, Any]:
     if hit is not None and hit[0] is op.outs[0]:
         return hit[1], hit[2]
     s, v = _sdpa_scores(trace, op)
-    pattern = torch.softmax(s.float(), dim=-1).to(s.dtype)
-    z = pattern @ v
+    pattern = torch.softmax(s, dim=-1)
     out = op.outs[0]
-    if not torch.allclose(z, out, rtol=1e-4, atol=1e-5):
+    err = _mismatch(pattern @ v, out, pattern @ v.abs())
+    if err is not None:
         raise torchlens.errors.FacetError(
             "facet_reconstruction_mismatch", f"reconstructed attention pattern @ V differs from {op.label}'s output "
-            f"by {float((z - out).abs().max()):.3g}", remedy="recapture with an eager attention implementation so "
-            "pattern is a real op", label=op.label)
+            f"by {err:.3g} (beyond the rounding {out.dtype} allows)", remedy="recapture with an eager attention "
+            "implementation so pattern is a real op", label=op.label)
+    s, pattern = s.to(out.dtype), pattern.to(out.dtype)
     cache[op.label] = (out, s, pattern)
     return s, pattern
 
@@ -248,16 +275,19 @@ def _result_spec(trace: Any, call: Any, core: Any, z_spec: Any) -> Any:
             raise torchlens.errors.FacetError(
                 "facet_reconstruction_mismatch", f"output projection {w_addr} has {w_io.shape[0]} input rows, not "
                 f"{n_heads} heads x {d_head}", remedy="this module's output projection is not per-head", weight=w_addr)
-        result = torch.einsum("...hd,hdm->...hm", z, w_io.reshape(n_heads, d_head, -1).to(z.dtype))
+        result = torch.einsum("...hd,hdm->...hm", _up(z), _up(w_io.reshape(n_heads, d_head, -1).to(z.dtype)))
         captured = tr._ops[out_label].outs[0]
-        total = result.sum(-2)
+        total, magnitude = result.sum(-2), result.abs().sum(-2)
         if b_addr is not None:
-            total = total + tr._params[b_addr].value
-        if tuple(total.shape) != tuple(captured.shape) or not torch.allclose(total, captured, rtol=1e-4, atol=1e-5):
+            bias = _up(tr._params[b_addr].value.to(z.dtype))
+            total, magnitude = total + bias, magnitude + bias.abs()
+        err = _mismatch(total, captured, magnitude)
+        if err is not None:
             raise torchlens.errors.FacetError(
                 "facet_reconstruction_mismatch", f"per-head results summed with the bias do not reproduce "
-                f"{out_label}", remedy="the output projection applies more than a linear map to z", label=out_label)
-        return result
+                f"{out_label} (off by {err:.3g}, beyond the rounding {captured.dtype} allows)",
+                remedy="the output projection applies more than a linear map to z", label=out_label)
+        return result.to(z.dtype)
 
     inputs = tuple(dict.fromkeys((z_spec.inputs if z_spec.home_kind == "computed" else (z_spec.home,)) + (out_label,)))
     return torchlens.facets.computed_spec(compute, inputs, recipe_id=RECIPE_ID, address=call.address)
@@ -354,13 +384,17 @@ def multihead_attention(module: Any) -> dict[str, Any]:
 
         z = torchlens.facets.value_of(tr, z_spec)  # (B, L, H, D)
         w = tr._params[w_addr].value  # (E_out, E_in): linear keeps (out, in)
-        result = torch.einsum("blhd,hdm->blhm", z, w.t().reshape(H, D, -1).to(z.dtype))
-        total = result.sum(-2) + (tr._params[b_addr].value if b_addr else 0)
+        result = torch.einsum("blhd,hdm->blhm", _up(z), _up(w.t().reshape(H, D, -1).to(z.dtype)))
+        bias = _up(tr._params[b_addr].value.to(z.dtype)) if b_addr else None
+        total = result.sum(-2) + (bias if bias is not None else 0)
+        magnitude = result.abs().sum(-2) + (bias.abs() if bias is not None else 0)
         captured = tr._ops[o.label].outs[0].reshape(L, B, -1).transpose(0, 1)  # rows are (pos, batch)
-        if not torch.allclose(total, captured, rtol=1e-4, atol=1e-5):
+        err = _mismatch(total, captured, magnitude)
+        if err is not None:
             raise torchlens.errors.FacetError("facet_reconstruction_mismatch", f"per-head results do not reproduce "
-                                              f"{o.label}", remedy="the output projection is not per-head", label=o.label)
-        return result
+                                              f"{o.label} (off by {err:.3g}, beyond the rounding {captured.dtype} "
+                                              "allows)", remedy="the output projection is not per-head", label=o.label)
+        return result.to(z.dtype)
 
     out["result"] = torchlens.facets.computed_spec(compute, (found["pv"].label, o.label), recipe_id=rid,
                                                    address=call.address)

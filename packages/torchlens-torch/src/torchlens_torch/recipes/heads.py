@@ -3,9 +3,10 @@
 It matches a module with a conventional unembedding child (`lm_head`, `embed_out` or
 `output_projection`, the spec's list) and anchors: `logits` (the head's output op),
 `unembed_weight` / `unembed_bias` (the parameters the head op read), and the final norm
-feeding the head, found structurally: the innermost module around the head's input op
-whose call ran a normalisation (a `layer_norm` op, or an RMS norm's pow/mean/rsqrt chain),
-never by name. Non-tensor facts (`final_norm_kind`, `final_norm_eps`) are computed facets.
+feeding the head, found structurally: the module call that outputs the value the head reads
+(walking up across position selections such as `hidden[:, slice_indices, :]`, reshapes and
+casts) and ran a normalisation (a `layer_norm` op, or an RMS norm's pow/mean/rsqrt chain) and
+no projection, never by name. Non-tensor facts (`final_norm_kind`, `final_norm_eps`) are computed facets.
 """
 
 from __future__ import annotations
@@ -81,22 +82,62 @@ def _norm_kind(call: Any) -> str | None:
     return None
 
 
-def final_norm(trace: Any, head: Any, op: Any = None) -> tuple[Any, str] | None:
-    """(norm module call, kind) of the innermost norm module containing the head's input
-    (or `op`, the value the head's input was read from)."""
-    if op is None and not head.input_labels:
-        return None
-    op = op if op is not None else trace._ops[head.input_labels[0]]
+#: ops a head's input may pass through after the final norm without changing the feature axis: a
+#: position selection (`hidden[:, slice_indices, :]`, HF's logits_to_keep), a reshape, a cast or copy
+_THROUGH = frozenset({"__getitem__", "getitem", "view", "reshape", "contiguous", "to", "float", "type_as", "clone"})
+_PROJECTIONS = frozenset({"linear", "matmul", "addmm", "mm", "bmm", "conv1d", "embedding"})
+
+
+def _norm_call_of(trace: Any, op: Any) -> tuple[Any, str] | None:
+    """(call, kind) of the innermost module call that OUTPUTS `op` and is a normalisation
+    (a norm op, no projection or embedding op): a norm module, never a model that contains one."""
     address = op.module
     while address:
         mod = trace._modules.get(address)
         if mod is None:
-            break
+            return None
         call = next((c for c in mod.calls if op.label in c.op_labels), None)
-        kind = _norm_kind(call) if call is not None else None
+        if call is None or op.label not in call.output_labels:
+            return None
+        kind = _norm_kind(call)
         if kind is not None:
+            if any(o.func_name in _PROJECTIONS for o in call.ops):
+                return None
             return call, kind
         address = mod.parent
+    return None
+
+
+def _source(trace: Any, op: Any) -> str | None:
+    """The parent op `op` reads its data from: the one its first argument refers to (an index
+    tensor, as in `hidden[:, positions, :]`, is another parent), else its only parent."""
+    args = op.args_template or ()
+    ref = getattr(args[0], "index", None) if args else None
+    if isinstance(ref, int) and 0 <= ref < len(op.parents):
+        return op.parents[ref] if op.parents[ref] in trace._ops else None
+    parents = [p for p in op.parents if p in trace._ops]
+    return parents[0] if len(parents) == 1 else None
+
+
+def final_norm(trace: Any, head: Any, op: Any = None) -> tuple[Any, str] | None:
+    """(norm module call, kind) of the norm module whose output the head reads (or `op`, the
+    value the head's input was read from), walking up across position selections, reshapes and
+    casts that keep the feature axis (`_THROUGH`); None when the head does not read a norm."""
+    if op is None and not head.input_labels:
+        return None
+    op = op if op is not None else trace._ops[head.input_labels[0]]
+    seen = 0
+    while op is not None and seen < 64:
+        found = _norm_call_of(trace, op)
+        if found is not None:
+            return found
+        source = _source(trace, op) if op.func_name in _THROUGH else None
+        if source is None:
+            return None
+        parent = trace._ops[source]
+        if not op.shape or not parent.shape or tuple(op.shape)[-1] != tuple(parent.shape)[-1]:
+            return None
+        op, seen = parent, seen + 1
     return None
 
 
