@@ -51,3 +51,12 @@ def test_param_args_refuses_what_names_no_argument(bad):
     with pytest.raises(InvalidArgumentError) as err:
         tl.trace(mlp, PARAMS, X, backend="jax", param_args=bad)
     assert err.value.code == "invalid_argument" and err.value.fields.get("option") == "param_args"
+
+
+def test_param_args_reach_the_backend_on_the_live_intervention_path():
+    # tl.trace(..., intervene=...) runs two captures through core's live path; the backend's own
+    # trace options (param_args=) must reach both, never be dropped.
+    t = tl.trace(mlp, PARAMS, X, backend="jax", param_args=(0,),
+                 intervene=tl.when(tl.func("tanh"), tl.zero_ablate()))
+    assert sorted(p.address for p in t.params) == ["dense.bias", "dense.kernel", "head.kernel"]
+    np.testing.assert_array_equal(np.asarray(t.output_ops[0].out), np.zeros((2, 2), np.float32))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mi_models import assert_unchanged, gpt2, ids, snapshot
 
 import torchlens as tl
 import torchlens_mechinterp as mi
-from mi_models import assert_unchanged, gpt2, ids, snapshot
 from torchlens.errors import MechInterpError
 
 L, H, E = 2, 4, 32
@@ -249,7 +249,7 @@ def test_patch_edges_equals_a_forward_hook_implementation_of_the_mib_convention(
 def test_patch_edges_single_receiver_and_empty(model, xs):
     clean = tl.trace(model, xs[0], save="all")
     corrupt = tl.trace(model, xs[1], save="all")
-    graph, cgraph = mi.component_graph(clean), mi.component_graph(corrupt)
+    cgraph = mi.component_graph(corrupt)
     edges = ["a0.h1->a1.h2<k>", "m0->a1.h2<k>"]
     fork = mi.patch_edges(clean, edges, corrupted_graph=cgraph)
     ref = _hook_patch(model, xs[0], xs[1], edges)
@@ -261,7 +261,7 @@ def test_patch_edges_single_receiver_and_empty(model, xs):
 def test_patch_edges_refusals_leave_the_trace_unchanged(model, xs):
     clean = tl.trace(model, xs[0], save="all")
     corrupt = tl.trace(model, xs[1], save="all")
-    graph, cgraph = mi.component_graph(clean), mi.component_graph(corrupt)
+    cgraph = mi.component_graph(corrupt)
     snap = snapshot(clean)
     for edges, kw, code in [
         (["m0->logits", "m0->logits"], {"corrupted_graph": cgraph}, "mi_edge_patch_edge_repeated"),

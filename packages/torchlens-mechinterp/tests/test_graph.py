@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mi_models import assert_unchanged, gpt2, ids, llama, neox, snapshot
 
 import torchlens as tl
 import torchlens_mechinterp as mi
 import torchlens_mechinterp.graph as graph_module
-from mi_models import assert_unchanged, gpt2, ids, llama, neox, snapshot
 from torchlens.errors import MechInterpError
 
 H = 4

@@ -84,7 +84,7 @@ def _trace(model: Any, args: tuple, save: Any, capture: CaptureOptions | None, b
                 raise InvalidArgumentError("invalid_argument", f"intervene= takes a tl.Recipe, not {type(intervene).__name__}",
                                            remedy="intervene=tl.when(site, tl.zero_ablate())")
             result = live_capture(proto, model, args, kwargs, intervene, save=save, capture=capture or CaptureOptions(),
-                                  on_zero_fire=on_zero_fire)
+                                  on_zero_fire=on_zero_fire, trace_options=trace_options)
         else:
             result = proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
     finally:

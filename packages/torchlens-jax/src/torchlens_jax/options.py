@@ -1,32 +1,13 @@
 """`tl.backends.jax.GradOptions`: the request for derived gradients (imports no jax).
 
-The preview backend declares `intermediate_derived_grads=False`, so passing
-`grad_options=GradOptions(...)` to `tl.trace` refuses with
-`intermediate_derived_grads_unsupported` before anything runs. The dataclass exists so code
-written against the spec's namespace imports and type-checks today.
+One dataclass shared by every preview backend, defined in the SDK. The preview backend declares
+`intermediate_derived_grads=False`, so passing `grad_options=GradOptions(...)` to `tl.trace`
+refuses with `intermediate_derived_grads_unsupported` before anything runs. The dataclass
+exists so code written against the spec's namespace imports and type-checks today.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from torchlens.backends.sdk import GradOptions
 
-
-@dataclass(frozen=True)
-class GradOptions:
-    """Which derived gradients a capture should compute.
-
-    - `wrt`: what to differentiate with respect to: `"inputs"`, `"params"` or `"both"`.
-    - `loss`: optional callable mapping the model output to a scalar (default: sum).
-    - `intermediates`: also derive gradients at every recorded op output.
-    """
-
-    wrt: str = "inputs"
-    loss: object = None
-    intermediates: bool = True
-
-    def __post_init__(self) -> None:
-        if self.wrt not in ("inputs", "params", "both"):
-            from torchlens.backends.sdk import InvalidArgumentError
-
-            raise InvalidArgumentError("invalid_argument", f"GradOptions(wrt={self.wrt!r}) is not 'inputs', 'params' or 'both'",
-                                       remedy="wrt='inputs'", field="wrt")
+__all__ = ["GradOptions"]

@@ -26,14 +26,14 @@ two captures (clean, corrupted) through `component_graph`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from torchlens.errors import MechInterpError
-
 from torchlens_mechinterp._common import _eps, _norm_kind
-from torchlens_mechinterp.graph import ComponentGraph, Edge, Receiver, component_graph
+from torchlens_mechinterp.graph import ComponentGraph, Edge, component_graph
 
 # ---------------------------------------------------------------------------------------------
 # local recomputation from the captured parameters
@@ -112,12 +112,16 @@ def stage_sites(trace: Any, target: Any, graph: ComponentGraph, patched: dict[st
         x = r.value.detach()
         for s in senders:
             x = x - graph.nodes[s].value.detach() + corrupted_graph.nodes[s].value.detach().to(x.dtype)
-        norm = cache.setdefault("norm:" + r.norm, _norm_fn(trace, r.norm))
+        if "norm:" + r.norm not in cache:
+            cache["norm:" + r.norm] = _norm_fn(trace, r.norm)
+        norm = cache["norm:" + r.norm]
         if r.kind in ("mlp", "logits"):
             out = trace._ops[r.norm_output].out
             sites[r.norm_output] = norm(x).reshape(out.shape).to(out.dtype)
             continue
-        pj = cache.setdefault("proj:" + r.module, _projections(trace, r.module))
+        if "proj:" + r.module not in cache:
+            cache["proj:" + r.module] = _projections(trace, r.module)
+        pj = cache["proj:" + r.module]
         p = next(p for p in pj.values() if r.kind in p.W)
         if p.label not in sites:
             sites[p.label] = target._ops[p.label].out.detach().clone()
@@ -262,7 +266,7 @@ class EdgeScoreTable:
         return p
 
     @classmethod
-    def load(cls, path: Any) -> "EdgeScoreTable":
+    def load(cls, path: Any) -> EdgeScoreTable:
         d = json.loads(Path(path).read_text())
         return cls({n: EdgeScore(v["score"], v["receiver"], v["sender"]) for n, v in d["rows"].items()}, d["meta"])
 
@@ -381,11 +385,11 @@ def _receiver_grads(model: Any, inputs: Any, graph: ComponentGraph, projs: dict[
         seen: dict[str, Any] = {}
         handles = []
 
-        def put_input(_m: Any, _a: Any, out: Any) -> Any:
+        def put_input(_m: Any, _a: Any, out: Any, point: Any = point) -> Any:
             # a leaf, so the receivers' reads carry gradients even with frozen parameters
             return point.reshape(out.shape).to(out.dtype).clone().requires_grad_(True)
 
-        def keep(name: str, what: str) -> Callable:
+        def keep(name: str, what: str, seen: dict[str, Any] = seen) -> Callable:
             def hook(_m: Any, args: Any, out: Any) -> None:
                 if what == "norm":
                     seen[name + ":in"] = args[0]
@@ -414,11 +418,11 @@ def _receiver_grads(model: Any, inputs: Any, graph: ComponentGraph, projs: dict[
                                           "- logits[:, -1, b]", function="edge_scores")
                 keys = list(norm_mods) + proj_labels
                 gs = torch.autograd.grad(m.sum(), [seen[n] for n in keys], allow_unused=True)
-                out = _pullback(model, graph, projs, seen, dict(zip(keys, gs)), torch)
+                pulled = _pullback(model, graph, projs, seen, dict(zip(keys, gs)), torch)
         finally:
             for h in handles:
                 h.remove()
-        for name, g in out.items():
+        for name, g in pulled.items():
             acc[name] = g if name not in acc else acc[name] + g
     return {n: g / steps for n, g in acc.items()}
 

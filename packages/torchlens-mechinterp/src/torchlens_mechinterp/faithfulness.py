@@ -33,12 +33,13 @@ def _curve(faithfulness: Any, fractions: Any, function: str) -> tuple[list[float
         try:
             ys = list(faithfulness)
         except TypeError:
-            raise _refuse(function, f"faithfulness is a {type(faithfulness).__name__}, not a sequence or mapping")
+            raise _refuse(function, f"faithfulness is a {type(faithfulness).__name__}, not a sequence or "
+                          "mapping") from None
         xs = list(MIB_FRACTIONS if fractions is None else fractions)
     try:
         xs, ys = [float(x) for x in xs], [float(y) for y in ys]
     except (TypeError, ValueError):
-        raise _refuse(function, "fractions and faithfulness values must be numbers")
+        raise _refuse(function, "fractions and faithfulness values must be numbers") from None
     if len(xs) != len(ys):
         raise _refuse(function, f"{len(ys)} faithfulness values for {len(xs)} fractions", n_values=len(ys),
                       n_fractions=len(xs))

@@ -22,9 +22,17 @@ from typing import Any
 
 from torchlens.errors import MechInterpError
 from torchlens.select.selectors import Selector
-
-from torchlens_mechinterp._common import (LINEAR_FUNCS, VALUE_PRESERVING, Ancestry, _norm_kind,
-                                          attention_addresses, component_of, dtype_eps, head_facts, mlp_addresses)
+from torchlens_mechinterp._common import (
+    LINEAR_FUNCS,
+    VALUE_PRESERVING,
+    Ancestry,
+    _norm_kind,
+    attention_addresses,
+    component_of,
+    dtype_eps,
+    head_facts,
+    mlp_addresses,
+)
 
 FUNCTION = "component_graph"
 #: ULP headroom of the identity receipt's per-element budget
@@ -111,7 +119,7 @@ class Edge(Selector):
     def match_set(self, trace: Any) -> set[str]:
         return {self.site_label}
 
-    def patch_value(self, corrupted_graph: "ComponentGraph") -> Any:
+    def patch_value(self, corrupted_graph: ComponentGraph) -> Any:
         """The full site value that makes this edge alone read its corrupted sender."""
         from torchlens_mechinterp.edges import stage_sites
 
@@ -226,6 +234,7 @@ def component_graph(trace: Any, *, _views: dict[str, Any] | None = None) -> Comp
     from torchlens_mechinterp.heads import _qkv_view, head_rows, head_weight_views
     from torchlens_mechinterp.retention import require_payloads
 
+    structure: dict[Any, Any] = _views.setdefault("__structure__", {}) if _views is not None else {}
     w, writers = _writers(trace)
     ops = trace._ops
     attn_order = [a for _, a, k in writers if k == "attn"]
@@ -277,13 +286,17 @@ def component_graph(trace: Any, *, _views: dict[str, Any] | None = None) -> Comp
     receivers: dict[str, Receiver] = {}
     for L, a in enumerate(attn_order):
         norm, nin, nout = pre[a]
-        cols = {r: _qkv_view(trace, a, r, FUNCTION) for r in ("q", "k", "v")}
+        key = ("qkv", a)
+        if key not in structure:  # structure only: shared by the rebuilds of patch_edges
+            structure[key] = {r: (_qkv_view(trace, a, r, FUNCTION)["module"], _columns(trace, a, r))
+                              for r in ("q", "k", "v")}
+        cols = structure[key]
         snd = senders_of(nin)
         for h in range(views[a].n_heads):
             for r in ("q", "k", "v"):
                 receivers[f"a{L}.h{h}<{r}>"] = Receiver(
                     f"a{L}.h{h}<{r}>", r, ops[nin].out, snd, nin, norm, nout, L, h, a,
-                    cols[r]["module"], _columns(trace, a, r))
+                    cols[r][0], cols[r][1][h])
     for L, a in enumerate(mlp_order):
         norm, nin, nout = pre[a]
         receivers[f"m{L}"] = Receiver(f"m{L}", "mlp", ops[nin].out, senders_of(nin), nin, norm, nout, L, None, a)
@@ -301,6 +314,7 @@ def component_graph(trace: Any, *, _views: dict[str, Any] | None = None) -> Comp
         if r.kind == "mlp")
     out = ComponentGraph(nodes, receivers, edges, receipt, len(attn_order),
                          max((v.n_heads for v in views.values()), default=0), parallel)
+    views["__structure__"] = structure
     out._views = views
     out._trace = trace
     for e in edges.values():
@@ -320,7 +334,7 @@ def _columns(trace: Any, attention: str, role: str) -> dict[int, Any]:
     for p in spec.chain:
         idx = p.apply(idx)
     cols = idx.reshape(-1, idx.shape[-2], idx.shape[-1])[0]
-    return {h: cols[h].clone() for h in range(cols.shape[0])}
+    return {h: cols[h].clone() for h in range(cols.shape[0])}  # head -> [d_head] column indices
 
 
 def _identity(receivers: dict[str, Receiver], torch: Any) -> dict[str, Any]:

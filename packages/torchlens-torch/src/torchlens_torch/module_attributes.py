@@ -10,14 +10,28 @@ from typing import Any
 _ATOMIC = (bool, int, float, str)
 
 
+_EXACT = frozenset((bool, int, float, str, type(None)))
+_EXACT_ITEMS = frozenset((bool, int, float, str))  # (None is atomic alone, not in a tuple)
+
+
 def _atomic(value: Any) -> bool:
-    if value is None or isinstance(value, _ATOMIC):
+    t = type(value)
+    if t in _EXACT:
+        return True
+    if t is tuple:
+        return len(value) <= 8 and (_EXACT_ITEMS.issuperset(map(type, value)) or all(isinstance(v, _ATOMIC) for v in value))
+    if isinstance(value, _ATOMIC):
         return True
     return type(value) is tuple and len(value) <= 8 and all(isinstance(v, _ATOMIC) for v in value)
 
 
 def _plain(value: Any) -> Any:
     """Subclasses (IntEnum, numpy-free str subclasses) as their plain base value."""
+    t = type(value)
+    if t in _EXACT:
+        return value
+    if t is tuple and _EXACT_ITEMS.issuperset(map(type, value)):
+        return value
     if isinstance(value, bool) or value is None:
         return value
     for base in (int, float, str):

@@ -87,8 +87,10 @@ def _plan(structure: Any, recipe: Recipe, ops: Any) -> tuple[dict[int, list[Edit
 
 def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Recipe, *, save: Any, capture: Any,
                  on_zero_fire: str = "warn", zero_fire_code: str = "trace_zero_fire", check_graph: bool = True,
-                 engine: str = "live") -> Any:
-    """Capture `model(*args)` with `recipe`'s edits live; the trace records the edited run."""
+                 engine: str = "live", trace_options: dict | None = None) -> Any:
+    """Capture `model(*args)` with `recipe`'s edits live; the trace records the edited run.
+    `trace_options` are the backend's own trace options, passed to both captures."""
+    trace_options = dict(trace_options or {})
     from torchlens.intervention.verbs import _audit, _state, _zero_fire
 
     import dataclasses
@@ -110,7 +112,8 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
         forced = True
     # both captures pass an edit plan (the first an empty one): a backend runs a live capture on
     # copies of the caller's inputs, so the two runs see the same inputs and the caller's stay put
-    structure = proto.capture(model, args, kwargs, save="none", capture=capture, _edit_plan=EditPlan({}, {}, ops))
+    structure = proto.capture(model, args, kwargs, save="none", capture=capture, _edit_plan=EditPlan({}, {}, ops),
+                              **trace_options)
     by_event, grad_by_event, labels, resolved = _plan(structure, recipe, ops)
     from torchlens.intervention.verbs import check_sites
 
@@ -118,7 +121,7 @@ def live_capture(proto: Any, model: Any, args: tuple, kwargs: dict, recipe: Reci
     if not by_event and not grad_by_event:
         _zero_fire(on_zero_fire, zero_fire_code, list(recipe.rules), structure)
     plan = EditPlan(by_event, labels, ops, grad_by_event)
-    result = proto.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=plan)
+    result = proto.capture(model, args, kwargs, save=save, capture=capture, _edit_plan=plan, **trace_options)
     diverged = check_divergence(structure, result, set(by_event) | set(grad_by_event), warn=check_graph)
     st = _state(result)
     st.recipe = recipe
