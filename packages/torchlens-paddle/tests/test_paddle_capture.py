@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 import warnings
 
 import numpy as np
@@ -48,7 +49,10 @@ def _framework_objects(layers=()) -> dict:
         except TypeError:
             continue
         for attr, obj in items:
-            if id(obj) in kernels or getattr(obj, "__torchlens_original__", None) is not None:
+            # the marker read without running any attribute hook (some module attributes, such as
+            # torch.backends.cuda's, initialise a device on attribute access)
+            marked = isinstance(obj, types.FunctionType) and "__torchlens_original__" in obj.__dict__
+            if id(obj) in kernels or marked:
                 objs[(name, attr)] = obj
     for name, obj in vars(paddle.Tensor).items():
         objs[("Tensor", name)] = obj

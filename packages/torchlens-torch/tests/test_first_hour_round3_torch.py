@@ -205,8 +205,9 @@ def test_missing_runtime_remedies_use_the_wheelhouse_install_hint(monkeypatch):
     import torchlens_torch.plugin as plugin
     from torchlens.backends.registry import install_hint
 
+    monkeypatch.setitem(sys.modules, "torchlens_mechinterp", None)  # the kit "not installed": its import fails
     with pytest.raises(tl.errors.BackendUnsupportedError) as info:
-        tl.mechinterp.anything  # noqa: B018  (the kit is not installed here)
+        tl.mechinterp.residual_decomposition  # noqa: B018
     assert info.value.remedy == install_hint("mechinterp") and "find-links" in info.value.remedy
     monkeypatch.setitem(sys.modules, "torchlens_torch.backend", None)  # torch "missing": the import fails
     with pytest.raises(tl.errors.BackendUnsupportedError) as info:
