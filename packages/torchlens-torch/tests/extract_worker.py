@@ -56,6 +56,10 @@ def rank_main(rank: int, world: int, out: str, init: str) -> None:
         np.save(os.path.join(out, f"r{rank}_mem_fc1.npy"), mem["fc1"])
         with open(os.path.join(out, f"r{rank}_done.json"), "w") as f:
             json.dump({"rank": dist.get_rank(), "world": dist.get_world_size()}, f)
+        # Every rank arrives before any tears its gloo pairs down: a rank that destroys the group
+        # while its peer still holds the pair open can abort in gloo's teardown
+        # ("terminate called without an active exception"), after all the work is done.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
