@@ -183,6 +183,7 @@ def _worker(rank: int, ws: int, port: int, out: str, mode: str) -> None:
     tl.distributed.disarm()
     res["restored"] = all(getattr(dist, n) is f for n, f in originals.items())
     Path(f"{out}/res{rank}.json").write_text(json.dumps(res))
+    dist.barrier()  # no rank tears its gloo pairs down while a peer still uses them (gloo can abort then)
     dist.destroy_process_group()
 
 
