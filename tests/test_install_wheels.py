@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _wheel_env import ROOT, backend_alone_smoke, run as _run, wheel_cache  # noqa: E402
 INSTALL_DOC = ROOT / "docs" / "install.md"
 
 pytestmark = pytest.mark.skipif(os.environ.get("TORCHLENS_SKIP_INSTALL_TEST") == "1",
@@ -70,12 +71,6 @@ def _doc_commands() -> tuple[str, dict[str, str]]:
     return build, installs
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
-    assert done.returncode == 0, f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
 def test_documented_install_lines_work_in_fresh_venvs(tmp_path):
     build, installs = _doc_commands()
     # The documented lines take TorchLens from the wheelhouse only (PyPI's "torchlens" is another project).
@@ -83,8 +78,7 @@ def test_documented_install_lines_work_in_fresh_venvs(tmp_path):
         assert "--no-index" in line.split() and "--find-links wheelhouse" in line
 
     wheelhouse = tmp_path / "wheelhouse"
-    default_cache = ROOT / ".venv" / "wheel-cache" if (ROOT / ".venv").is_dir() else tmp_path / "wheel-cache"
-    cache = Path(os.environ.get("TORCHLENS_WHEEL_CACHE", default_cache))
+    cache = wheel_cache(tmp_path)
     build_args = shlex.split(build)[2:]                       # after "bash scripts/build-wheels.sh"
     build_args[build_args.index("wheelhouse")] = str(wheelhouse)
     env = {**os.environ, "PYTHON": sys.executable}
@@ -159,58 +153,8 @@ print("OK", tl.__file__)
 """
 
 
-def _build_member_wheel(member: str, out: Path, stage: Path) -> None:
-    """One member's wheel, built as scripts/build-wheels.sh builds each (from a copy of its
-    sources, without build isolation)."""
-    import shutil
-
-    src, dst = ROOT / member, stage / member.replace("/", "_")
-    top = {"build", "dist", "tests", "benchmarks"}               # excluded at the member's top level only
-
-    def ignore(folder: str, names: list[str]) -> set[str]:
-        skip = {n for n in names if n.endswith(".egg-info") or n in ("__pycache__", ".pytest_cache")}
-        return skip | (top & set(names) if Path(folder) == src else set())
-
-    shutil.copytree(src, dst, ignore=ignore)
-    _run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_wheel(sys.argv[1])",
-          str(out)], cwd=dst)
-
-
-def _mlx_pin() -> str:
-    """The MLX requirement CI tests (requirements-dev.txt)."""
-    reqs = (ROOT / "requirements-dev.txt").read_text(encoding="utf-8").splitlines()
-    return next(ln.split("#", 1)[0].strip() for ln in reqs if ln.strip().startswith("mlx"))
-
-
 def test_mlx_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
     """Issue 18: a fresh venv with only the torchlens-core and torchlens-mlx wheels plus MLX
     (no torch, no jax) traces, draws, saves, loads and validates; `import torchlens` alone
     imports no framework. Skips when the MLX wheels cannot be had (no cache, no index)."""
-    default_cache = ROOT / ".venv" / "wheel-cache" if (ROOT / ".venv").is_dir() else tmp_path / "wheel-cache"
-    cache = Path(os.environ.get("TORCHLENS_WHEEL_CACHE", default_cache))
-    cache.mkdir(parents=True, exist_ok=True)
-    pin = _mlx_pin()
-    download = [sys.executable, "-m", "pip", "download", "-q", "-c", str(ROOT / "constraints.txt"), "-d", str(cache)]
-    for extra in (["--no-index", "--find-links", str(cache)], []):   # offline first, then the index
-        got = subprocess.run([*download, *extra, pin, "numpy", "pluggy", "safetensors"],
-                             capture_output=True, text=True, timeout=600)
-        if got.returncode == 0:
-            break
-    else:
-        pytest.skip(f"cannot obtain {pin} wheels: {got.stderr.strip()[-300:]}")
-
-    wheelhouse, stage = tmp_path / "wheelhouse", tmp_path / "stage"
-    wheelhouse.mkdir()
-    stage.mkdir()
-    for member in ("packages/torchlens-core", "packages/torchlens-mlx"):
-        _build_member_wheel(member, wheelhouse, stage)
-    assert sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl")) == ["torchlens_core", "torchlens_mlx"]
-
-    venv = tmp_path / "venv-mlx"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
-          "--no-index", "--find-links", str(wheelhouse), "--find-links", str(cache), "torchlens-core", "torchlens-mlx"])
-    smoke = _run([str(venv / "bin" / "python"), "-c", MLX_SMOKE], cwd=tmp_path)
-    assert smoke.stdout.startswith("OK ") and str(venv) in smoke.stdout, smoke.stdout  # not the repo's copy
-    version = _run([str(venv / "bin" / "torchlens"), "--version"]).stdout.strip()
-    assert version == "torchlens-core 0.1.0; plugins: torchlens-mlx 0.1.0", version
+    backend_alone_smoke(tmp_path, "mlx", "mlx", MLX_SMOKE, download_timeout=600, run_timeout=900)

@@ -2,25 +2,23 @@
 paddlepaddle (no torch, no jax, no tensorflow) traces, draws, saves, loads and validates a
 model; `import torchlens` alone imports no framework.
 
-Modelled on the MLX case in tests/test_install_wheels.py (its `_run` and
-`_build_member_wheel` are repeated here, small, rather than imported from another test
-module). The third-party wheels are kept in TORCHLENS_WHEEL_CACHE (default
-.venv/wheel-cache); skips when the paddle wheels cannot be had (no cache, no index).
-Set TORCHLENS_SKIP_INSTALL_TEST=1 to skip (a few minutes on the 2-core machine).
+Modelled on the MLX case in tests/test_install_wheels.py; the build, cache, venv and install
+steps are tests/_wheel_env.py's `backend_alone_smoke`, shared by every install test. The
+third-party wheels are kept in TORCHLENS_WHEEL_CACHE (default .venv/wheel-cache); skips when
+the paddle wheels cannot be had (no cache, no index). Set TORCHLENS_SKIP_INSTALL_TEST=1 to
+skip (a few minutes on the 2-core machine).
 """
 
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _wheel_env import backend_alone_smoke  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TORCHLENS_SKIP_INSTALL_TEST") == "1",
                                 reason="TORCHLENS_SKIP_INSTALL_TEST=1")
@@ -63,60 +61,6 @@ print("OK", tl.__file__)
 """
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kw)
-    assert done.returncode == 0, f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
-def _build_member_wheel(member: str, out: Path, stage: Path) -> None:
-    """One member's wheel, built as scripts/build-wheels.sh builds each (from a copy of its
-    sources, without build isolation)."""
-    src, dst = ROOT / member, stage / member.replace("/", "_")
-    top = {"build", "dist", "tests", "benchmarks"}               # excluded at the member's top level only
-
-    def ignore(folder: str, names: list[str]) -> set[str]:
-        skip = {n for n in names if n.endswith(".egg-info") or n in ("__pycache__", ".pytest_cache")}
-        return skip | (top & set(names) if Path(folder) == src else set())
-
-    shutil.copytree(src, dst, ignore=ignore)
-    _run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_wheel(sys.argv[1])",
-          str(out)], cwd=dst)
-
-
-def _paddle_pin() -> str:
-    """The paddle requirement CI tests (requirements-dev.txt)."""
-    reqs = (ROOT / "requirements-dev.txt").read_text(encoding="utf-8").splitlines()
-    return next(ln.split("#", 1)[0].strip() for ln in reqs if ln.strip().startswith("paddlepaddle"))
-
-
 def test_paddle_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
-    default_cache = ROOT / ".venv" / "wheel-cache" if (ROOT / ".venv").is_dir() else tmp_path / "wheel-cache"
-    cache = Path(os.environ.get("TORCHLENS_WHEEL_CACHE", default_cache))
-    cache.mkdir(parents=True, exist_ok=True)
-    pin = _paddle_pin()
-    download = [sys.executable, "-m", "pip", "download", "-q", "-c", str(ROOT / "constraints.txt"), "-d", str(cache)]
-    for extra in (["--no-index", "--find-links", str(cache)], []):   # offline first, then the index
-        got = subprocess.run([*download, *extra, pin, "numpy", "pluggy", "safetensors", "setuptools"],
-                             capture_output=True, text=True, timeout=900)
-        if got.returncode == 0:
-            break
-    else:
-        pytest.skip(f"cannot obtain {pin} wheels: {got.stderr.strip()[-300:]}")
-
-    wheelhouse, stage = tmp_path / "wheelhouse", tmp_path / "stage"
-    wheelhouse.mkdir()
-    stage.mkdir()
-    for member in ("packages/torchlens-core", "packages/torchlens-paddle"):
-        _build_member_wheel(member, wheelhouse, stage)
-    assert sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl")) == ["torchlens_core", "torchlens_paddle"]
-
-    venv = tmp_path / "venv-paddle"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
-          "--no-index", "--find-links", str(wheelhouse), "--find-links", str(cache), "torchlens-core",
-          "torchlens-paddle"])
-    smoke = _run([str(venv / "bin" / "python"), "-c", PADDLE_SMOKE], cwd=tmp_path)
-    assert smoke.stdout.startswith("OK ") and str(venv) in smoke.stdout, smoke.stdout  # not the repo's copy
-    version = _run([str(venv / "bin" / "torchlens"), "--version"]).stdout.strip()
-    assert version == "torchlens-core 0.1.0; plugins: torchlens-paddle 0.1.0", version
+    backend_alone_smoke(tmp_path, "paddle", "paddlepaddle", PADDLE_SMOKE,
+                        deps=("numpy", "pluggy", "safetensors", "setuptools"), download_timeout=900, run_timeout=900)

@@ -3,9 +3,9 @@ TensorFlow (tensorflow-cpu, which brings Keras 3; no torch, no jax) traces, draw
 loads and validates a Keras model; `import torchlens` alone imports no framework (checked in
 a separate interpreter before tensorflow is imported).
 
-Modelled on the MLX case in tests/test_install_wheels.py (its helpers `_run` and
-`_build_member_wheel` are repeated here, not imported: importing that module would collect its
-tests twice). The third-party wheels are kept between runs in TORCHLENS_WHEEL_CACHE (default
+Modelled on the MLX case in tests/test_install_wheels.py; the build, cache, venv and install
+steps are tests/_wheel_env.py's `backend_alone_smoke`, shared by every install test. The
+third-party wheels are kept between runs in TORCHLENS_WHEEL_CACHE (default
 .venv/wheel-cache); the test skips when they cannot be had (no cache, no index), and with
 TORCHLENS_SKIP_INSTALL_TEST=1. Slow (a few minutes: tensorflow is a large install).
 """
@@ -13,15 +13,13 @@ TORCHLENS_SKIP_INSTALL_TEST=1. Slow (a few minutes: tensorflow is a large instal
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _wheel_env import backend_alone_smoke  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TORCHLENS_SKIP_INSTALL_TEST") == "1",
                                 reason="TORCHLENS_SKIP_INSTALL_TEST=1")
@@ -59,59 +57,5 @@ print("OK", tl.__file__)
 """
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, **kw)
-    assert done.returncode == 0, f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
-
-
-def _build_member_wheel(member: str, out: Path, stage: Path) -> None:
-    """One member's wheel, built as scripts/build-wheels.sh builds each (from a copy of its
-    sources, without build isolation)."""
-    src, dst = ROOT / member, stage / member.replace("/", "_")
-    top = {"build", "dist", "tests", "benchmarks"}               # excluded at the member's top level only
-
-    def ignore(folder: str, names: list[str]) -> set[str]:
-        skip = {n for n in names if n.endswith(".egg-info") or n in ("__pycache__", ".pytest_cache")}
-        return skip | (top & set(names) if Path(folder) == src else set())
-
-    shutil.copytree(src, dst, ignore=ignore)
-    _run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; b.build_wheel(sys.argv[1])",
-          str(out)], cwd=dst)
-
-
-def _tf_pin() -> str:
-    """The TensorFlow requirement CI tests (requirements-dev.txt)."""
-    reqs = (ROOT / "requirements-dev.txt").read_text(encoding="utf-8").splitlines()
-    return next(ln.split("#", 1)[0].strip() for ln in reqs if ln.strip().startswith("tensorflow"))
-
-
 def test_tf_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
-    default_cache = ROOT / ".venv" / "wheel-cache" if (ROOT / ".venv").is_dir() else tmp_path / "wheel-cache"
-    cache = Path(os.environ.get("TORCHLENS_WHEEL_CACHE", default_cache))
-    cache.mkdir(parents=True, exist_ok=True)
-    pin = _tf_pin()
-    download = [sys.executable, "-m", "pip", "download", "-q", "-c", str(ROOT / "constraints.txt"), "-d", str(cache)]
-    for extra in (["--no-index", "--find-links", str(cache)], []):   # offline first, then the index
-        got = subprocess.run([*download, *extra, pin, "numpy", "pluggy", "safetensors"],
-                             capture_output=True, text=True, timeout=1500)
-        if got.returncode == 0:
-            break
-    else:
-        pytest.skip(f"cannot obtain {pin} wheels: {got.stderr.strip()[-300:]}")
-
-    wheelhouse, stage = tmp_path / "wheelhouse", tmp_path / "stage"
-    wheelhouse.mkdir()
-    stage.mkdir()
-    for member in ("packages/torchlens-core", "packages/torchlens-tf"):
-        _build_member_wheel(member, wheelhouse, stage)
-    assert sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl")) == ["torchlens_core", "torchlens_tf"]
-
-    venv = tmp_path / "venv-tf"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
-          "--no-index", "--find-links", str(wheelhouse), "--find-links", str(cache), "torchlens-core", "torchlens-tf"])
-    smoke = _run([str(venv / "bin" / "python"), "-c", TF_SMOKE], cwd=tmp_path)
-    assert smoke.stdout.startswith("OK ") and str(venv) in smoke.stdout, smoke.stdout  # not the repo's copy
-    version = _run([str(venv / "bin" / "torchlens"), "--version"]).stdout.strip()
-    assert version == "torchlens-core 0.1.0; plugins: torchlens-tf 0.1.0", version
+    backend_alone_smoke(tmp_path, "tf", "tensorflow", TF_SMOKE, download_timeout=1500, run_timeout=1500)

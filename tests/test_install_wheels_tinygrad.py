@@ -2,22 +2,21 @@
 wheels plus tinygrad (no torch, no jax) traces, draws, saves, loads and validates a model;
 `import torchlens` alone imports no framework (checked in a separate interpreter).
 
-Modelled on the MLX case in tests/test_install_wheels.py (whose helpers it reuses). The
-tinygrad wheel is kept in the same cache folder (TORCHLENS_WHEEL_CACHE, default
-.venv/wheel-cache). Set TORCHLENS_SKIP_INSTALL_TEST=1 to skip (about a minute here).
+Modelled on the MLX case in tests/test_install_wheels.py (the shared steps are
+tests/_wheel_env.py's `backend_alone_smoke`). The tinygrad wheel is kept in the same cache
+folder (TORCHLENS_WHEEL_CACHE, default .venv/wheel-cache). Set TORCHLENS_SKIP_INSTALL_TEST=1 to skip (about a minute here).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_install_wheels import ROOT, _build_member_wheel, _run  # noqa: E402
+from _wheel_env import backend_alone_smoke  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TORCHLENS_SKIP_INSTALL_TEST") == "1",
                                 reason="TORCHLENS_SKIP_INSTALL_TEST=1")
@@ -71,39 +70,5 @@ print("OK", tl.__file__)
 """
 
 
-def _tinygrad_pin() -> str:
-    """The tinygrad requirement CI tests (requirements-dev.txt)."""
-    reqs = (ROOT / "requirements-dev.txt").read_text(encoding="utf-8").splitlines()
-    return next(ln.split("#", 1)[0].strip() for ln in reqs if ln.strip().startswith("tinygrad"))
-
-
 def test_tinygrad_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
-    default_cache = ROOT / ".venv" / "wheel-cache" if (ROOT / ".venv").is_dir() else tmp_path / "wheel-cache"
-    cache = Path(os.environ.get("TORCHLENS_WHEEL_CACHE", default_cache))
-    cache.mkdir(parents=True, exist_ok=True)
-    pin = _tinygrad_pin()
-    download = [sys.executable, "-m", "pip", "download", "-q", "-c", str(ROOT / "constraints.txt"), "-d", str(cache)]
-    for extra in (["--no-index", "--find-links", str(cache)], []):   # offline first, then the index
-        got = subprocess.run([*download, *extra, pin, "numpy", "pluggy", "safetensors"],
-                             capture_output=True, text=True, timeout=600)
-        if got.returncode == 0:
-            break
-    else:
-        pytest.skip(f"cannot obtain {pin} wheels: {got.stderr.strip()[-300:]}")
-
-    wheelhouse, stage = tmp_path / "wheelhouse", tmp_path / "stage"
-    wheelhouse.mkdir()
-    stage.mkdir()
-    for member in ("packages/torchlens-core", "packages/torchlens-tinygrad"):
-        _build_member_wheel(member, wheelhouse, stage)
-    assert sorted(p.name.split("-")[0] for p in wheelhouse.glob("*.whl")) == ["torchlens_core", "torchlens_tinygrad"]
-
-    venv = tmp_path / "venv-tinygrad"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-compile",
-          "--no-index", "--find-links", str(wheelhouse), "--find-links", str(cache), "torchlens-core",
-          "torchlens-tinygrad"])
-    smoke = _run([str(venv / "bin" / "python"), "-c", TINYGRAD_SMOKE], cwd=tmp_path)
-    assert smoke.stdout.startswith("OK ") and str(venv) in smoke.stdout, smoke.stdout  # not the repo's copy
-    version = _run([str(venv / "bin" / "torchlens"), "--version"]).stdout.strip()
-    assert version == "torchlens-core 0.1.0; plugins: torchlens-tinygrad 0.1.0", version
+    backend_alone_smoke(tmp_path, "tinygrad", "tinygrad", TINYGRAD_SMOKE, download_timeout=600, run_timeout=900)

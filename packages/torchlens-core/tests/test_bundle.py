@@ -602,9 +602,9 @@ def test_rolled_union_graph_draws_one_node_per_layer(tmp_path):
     assert "tanh_1_5 (x3)" in str(d) and "input_1 (x" not in str(d)
     layer_edges = {(a._ops[s].layer_label, a._ops[t].layer_label) for s, t in a.graph_edges}
     assert d.num_edges == len(layer_edges)
-    with pytest.raises(InvalidArgumentError) as e:
+    with pytest.raises(BundleError) as e:  # the example traces carry no grad_fn records
         bundle.draw(tmp_path / "b.dot", graph="backward")
-    assert e.value.code == "bundle_draw_option_invalid"
+    assert e.value.code == "bundle_draw_grad_fns_missing" and e.value.fields["member"] == "a"
 
 
 def test_show_kinds(tmp_path):

@@ -137,7 +137,7 @@ def test_eap_equals_an_independent_autograd_computation_on_every_edge(model, xs)
     assert worst <= 1e-8
 
 
-@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("steps", [1, 3, 5])
 def test_eap_ig_equals_an_independent_left_riemann_sum(model, xs, steps):
     clean, corrupt = xs
     table = mi.edge_scores(model, clean, corrupted_input=corrupt, metric=metric, steps=steps,
@@ -228,8 +228,8 @@ def _hook_patch(model, clean, corrupt, edges):
 
 def test_patch_edges_equals_a_forward_hook_implementation_of_the_mib_convention(model, xs):
     clean_ids, corrupt_ids = xs
-    clean = tl.trace(model, clean_ids, save="all")
-    corrupt = tl.trace(model, corrupt_ids, save="all")
+    clean = tl.trace(model, clean_ids, save="all", capture=tl.options.CaptureOptions(replayable=True))
+    corrupt = tl.trace(model, corrupt_ids, save="all", capture=tl.options.CaptureOptions(replayable=True))
     graph, cgraph = mi.component_graph(clean), mi.component_graph(corrupt)
     g = torch.Generator().manual_seed(0)
     names = list(graph.edges)
@@ -246,9 +246,35 @@ def test_patch_edges_equals_a_forward_hook_implementation_of_the_mib_convention(
     assert (clean.modules["lm_head"].out - ref).abs().max() > 1e-6  # the patch moved the logits
 
 
+def test_patch_edges_full_circuit_equals_hooks_and_reuses_the_passed_graph(model, xs):
+    """Every edge into every receiver (the benchmark's call): all q/k/v receivers of a layer share
+    one patched input (one group), and the stage refresh must re-read the senders earlier stages
+    changed. The Edge objects carry the graph built on this trace, so patch_edges reuses it."""
+    clean_ids, corrupt_ids = xs
+    clean = tl.trace(model, clean_ids, save="all", capture=tl.options.CaptureOptions(replayable=True))
+    corrupt = tl.trace(model, corrupt_ids, save="all", capture=tl.options.CaptureOptions(replayable=True))
+    graph, cgraph = mi.component_graph(clean), mi.component_graph(corrupt)
+    import torchlens_mechinterp.edges as edges_module
+
+    calls = []
+    real = edges_module.component_graph
+    edges_module.component_graph = lambda t, **kw: calls.append(t) or real(t, **kw)
+    try:
+        fork = mi.patch_edges(clean, list(graph.edges.values()), corrupted_graph=cgraph)
+        assert calls == []  # the passed graph was reused
+        fork2 = mi.patch_edges(clean, list(graph.edges), corrupted_graph=cgraph)  # names: a fresh build
+        assert calls == [clean]
+    finally:
+        edges_module.component_graph = real
+    ref = _hook_patch(model, clean_ids, corrupt_ids, list(graph.edges))
+    assert (fork.modules["lm_head"].out - ref).abs().max() <= 1e-10
+    assert (fork2.modules["lm_head"].out - ref).abs().max() <= 1e-10
+    assert (clean.modules["lm_head"].out - ref).abs().max() > 1e-6
+
+
 def test_patch_edges_single_receiver_and_empty(model, xs):
-    clean = tl.trace(model, xs[0], save="all")
-    corrupt = tl.trace(model, xs[1], save="all")
+    clean = tl.trace(model, xs[0], save="all", capture=tl.options.CaptureOptions(replayable=True))
+    corrupt = tl.trace(model, xs[1], save="all", capture=tl.options.CaptureOptions(replayable=True))
     cgraph = mi.component_graph(corrupt)
     edges = ["a0.h1->a1.h2<k>", "m0->a1.h2<k>"]
     fork = mi.patch_edges(clean, edges, corrupted_graph=cgraph)
@@ -259,8 +285,8 @@ def test_patch_edges_single_receiver_and_empty(model, xs):
 
 
 def test_patch_edges_refusals_leave_the_trace_unchanged(model, xs):
-    clean = tl.trace(model, xs[0], save="all")
-    corrupt = tl.trace(model, xs[1], save="all")
+    clean = tl.trace(model, xs[0], save="all", capture=tl.options.CaptureOptions(replayable=True))
+    corrupt = tl.trace(model, xs[1], save="all", capture=tl.options.CaptureOptions(replayable=True))
     cgraph = mi.component_graph(corrupt)
     snap = snapshot(clean)
     for edges, kw, code in [
@@ -272,11 +298,17 @@ def test_patch_edges_refusals_leave_the_trace_unchanged(model, xs):
             mi.patch_edges(clean, edges, **kw)
         assert exc.value.code == code
         assert_unchanged(clean, snap)
-    other = tl.trace(model, ids(6, batch=2, seed=3), save="all")
+    other = tl.trace(model, ids(6, batch=2, seed=3), save="all", capture=tl.options.CaptureOptions(replayable=True))
     with pytest.raises(MechInterpError) as exc:
         mi.patch_edges(clean, ["m0->logits"], corrupted_graph=mi.component_graph(other))
     assert exc.value.code == "mi_edge_scores_inputs_mismatched"
     assert_unchanged(clean, snap)
+    plain = tl.trace(model, xs[0], save="all")  # a default capture: patching needs replayable=True
+    plain_snap = snapshot(plain)
+    with pytest.raises(MechInterpError) as exc:
+        mi.patch_edges(plain, ["m0->logits"], corrupted_graph=cgraph)
+    assert exc.value.code == "mi_edge_patch_not_replayable" and "replayable=True" in exc.value.remedy
+    assert_unchanged(plain, plain_snap)
 
 
 def test_a_shared_attention_mlp_norm_refuses_scores_and_mlp_patches():
@@ -289,7 +321,7 @@ def test_a_shared_attention_mlp_norm_refuses_scores_and_mlp_patches():
     with pytest.raises(MechInterpError) as exc:
         mi.edge_scores(gptj, x, corrupted_input=xc, metric=metric)
     assert exc.value.code == "mi_edge_scores_shared_norm"
-    clean, corrupt = tl.trace(gptj, x, save="all"), tl.trace(gptj, xc, save="all")
+    clean, corrupt = tl.trace(gptj, x, save="all", capture=tl.options.CaptureOptions(replayable=True)), tl.trace(gptj, xc, save="all", capture=tl.options.CaptureOptions(replayable=True))
     snap = snapshot(clean)
     with pytest.raises(MechInterpError) as exc:
         mi.patch_edges(clean, ["input->m0"], corrupted_graph=mi.component_graph(corrupt))
@@ -358,7 +390,7 @@ def test_patch_edges_on_a_parallel_block_model_equals_hooks():
 
     model = neox(2).double()
     x, xc = ids(5, batch=2, seed=1), ids(5, batch=2, seed=2)
-    clean, corrupt = tl.trace(model, x, save="all"), tl.trace(model, xc, save="all")
+    clean, corrupt = tl.trace(model, x, save="all", capture=tl.options.CaptureOptions(replayable=True)), tl.trace(model, xc, save="all", capture=tl.options.CaptureOptions(replayable=True))
     graph, cgraph = mi.component_graph(clean), mi.component_graph(corrupt)
     g = torch.Generator().manual_seed(1)
     outside = [n for n in graph.edges if not torch.rand((), generator=g) < 0.3]
@@ -375,8 +407,8 @@ def test_patch_edges_on_a_parallel_block_model_equals_hooks():
 
 
 def test_edges_are_intervention_sites_for_trace_do(model, xs):
-    clean = tl.trace(model, xs[0], save="all")
-    corrupt = tl.trace(model, xs[1], save="all")
+    clean = tl.trace(model, xs[0], save="all", capture=tl.options.CaptureOptions(replayable=True))
+    corrupt = tl.trace(model, xs[1], save="all", capture=tl.options.CaptureOptions(replayable=True))
     graph, cgraph = mi.component_graph(clean), mi.component_graph(corrupt)
     for name, kind in [("m0->logits", "EDGE"), ("a0.h3->m1", "EDGE"), ("a0.h1->a1.h2<v>", "ACT")]:
         edge = graph.edges[name]
@@ -386,3 +418,28 @@ def test_edges_are_intervention_sites_for_trace_do(model, xs):
         ref = _hook_patch(model, xs[0], xs[1], [name])
         assert (fork.modules["lm_head"].out - ref).abs().max() <= 1e-10, name
         assert (clean.modules["lm_head"].out - ref).abs().max() > 1e-9, name
+
+
+def test_edge_scores_reuses_the_structure_until_the_model_changes(xs, monkeypatch):
+    """The structure capture (one row) is kept per model; an in-place weight edit invalidates it
+    and the scores then equal a cold computation."""
+    import torchlens_mechinterp.edges as edges_module
+
+    model = gpt2(L).double()
+    calls = []
+    real = tl.trace
+    monkeypatch.setattr(tl, "trace", lambda *a, **k: calls.append(1) or real(*a, **k))
+    clean, corrupt = xs
+    t1 = mi.edge_scores(model, clean, corrupted_input=corrupt, metric=metric, steps=2)
+    t2 = mi.edge_scores(model, clean, corrupted_input=corrupt, metric=metric, steps=2)
+    assert len(calls) == 1
+    assert t2.scores() == pytest.approx(t1.scores(), rel=1e-12, abs=1e-15)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.mul_(1.5)
+        model.transformer.h[1].ln_1.weight.add_(0.25)
+    t3 = mi.edge_scores(model, clean, corrupted_input=corrupt, metric=metric, steps=2)
+    assert len(calls) == 2
+    edges_module._PLANS.clear()
+    t4 = mi.edge_scores(model, clean, corrupted_input=corrupt, metric=metric, steps=2)
+    assert t3.scores() == pytest.approx(t4.scores(), rel=1e-12, abs=1e-15)
+    assert t3.scores() != pytest.approx(t1.scores(), rel=1e-6)

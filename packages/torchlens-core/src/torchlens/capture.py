@@ -54,8 +54,12 @@ def _trace(model: Any, args: tuple, save: Any, capture: CaptureOptions | None, b
     kwargs = dict(input_kwargs or {})
     proto = select_backend(model, args, kwargs, backend)
     reduce_to_stats = isinstance(save, str) and save == "stats"  # issue 23 reduce and discard (stats/reduce.py)
+    fold_offer = None
     if reduce_to_stats:
+        from torchlens.backends.sdk_stats import StatsFoldOffer
+
         save = "all"
+        fold_offer = StatsFoldOffer()  # a backend that takes it folds each op's out during the forward
     intervene = trace_options.pop("intervene", None)
     on_zero_fire = trace_options.pop("on_zero_fire", "warn")
     facets = trace_options.pop("facets", None)  # recipes only this trace sees (issue 15); the backend never sees it
@@ -85,6 +89,9 @@ def _trace(model: Any, args: tuple, save: Any, capture: CaptureOptions | None, b
                                            remedy="intervene=tl.when(site, tl.zero_ablate())")
             result = live_capture(proto, model, args, kwargs, intervene, save=save, capture=capture or CaptureOptions(),
                                   on_zero_fire=on_zero_fire, trace_options=trace_options)
+        elif fold_offer is not None:
+            with fold_offer:
+                result = proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
         else:
             result = proto.capture(model, args, kwargs, save=save, capture=capture or CaptureOptions(), **trace_options)
     finally:
@@ -96,7 +103,7 @@ def _trace(model: Any, args: tuple, save: Any, capture: CaptureOptions | None, b
     if reduce_to_stats:
         from torchlens.stats.reduce import reduce_trace
 
-        reduce_trace(result)
+        reduce_trace(result, fold_offer)
     _stamp_identity(result, proto, args, kwargs)
     from torchlens.facets.registry import stamp  # the trace's immutable facet-registry snapshot (loads no recipe)
 

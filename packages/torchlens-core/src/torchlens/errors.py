@@ -604,6 +604,9 @@ _register("BundleError", {
                                            "different text (noise TorchLens cannot separate from the steer)",
     "token_binding_invalid": "a torchlens.boundary_facts token_boundary_v1 descriptor is malformed or disagrees "
                              "with the trace's own token ids",
+    "bundle_draw_grad_fns_missing": "Bundle.draw(graph='backward'/'combined'): a member has no grad_fn records "
+                                    "(captured under no_grad, by a backend without autograd, or saved by an older "
+                                    "build; fields member, reason)",
 })
 _register("ArtifactError", {
     "bundle_artifact_malformed": "a saved bundle's manifest.json or relations.json is malformed or does not match "
@@ -735,6 +738,10 @@ _register("InvalidArgumentError", {
 _register("PayloadUnavailableError", {
     "activation_reduced_to_stats": "a payload was read from a save='stats' trace: the out was folded into a "
                                    "RunningStats and discarded",
+})
+_register("PluginError", {
+    "backend_stats_fold_invalid": "a backend that took the save='stats' during-forward fold saved something other "
+                                  "than a 16-slot FoldedStats vector for an op",
 })
 _register("ArtifactError", {
     "stats_state_invalid": "a tl.stats state file is unreadable, damaged or does not fit its accumulator kind",
@@ -881,6 +888,17 @@ _register("MechInterpError", {
                                   "receiver-local gradient is not defined",
     "mi_faithfulness_curve_invalid": "circuit_performance_ratio / circuit_model_difference: the faithfulness curve "
                                      "is malformed (length, order, range, non-finite)",
+})
+
+# --- area: trace lifecycle and mechinterp part 2b (issue 17: replayable, Trace.cleanup, ACDC, causal_audit) ---
+_register("PayloadUnavailableError", {
+    "trace_cleaned_up": "trace.cleanup() released this trace's payloads, gradients and live output",
+})
+_register("MechInterpError", {
+    "mi_acdc_setting_invalid": "acdc: threshold / metric / edges / max_tests is not a valid setting, or the metric "
+                               "does not return a finite value",
+    "mi_audit_table_invalid": "causal_audit: the table is not an EDGE table of the component graph, or edges= names "
+                              "an edge it does not hold",
 })
 
 # --- area: tf backend (issue 19) ---

@@ -37,6 +37,12 @@ class CaptureOptions:
       of every parameter value the trace recorded (`torchlens.bundle.snapshot_params`), the
       capture-time evidence a Bundle's cross-member parameter reads need (else they refuse
       with `checkpoint_series_live_params`). Costs one copy of the model's parameters.
+    - `replayable`: record what a runnable save and the edge-patching verbs need (what a
+      default capture does not promise to keep). It asks for a backward: True implies
+      `backward_ready=True` (the effective value `trace.options` reports), so an enclosing
+      `torch.no_grad()` does not make the capture inference-only; `inference_only=True`
+      with it refuses `capture_option_invalid`. `torchlens.mechinterp.patch_edges` refuses a
+      trace captured without it (`mi_edge_patch_not_replayable`).
     """
 
     save_mode: str = "copy"
@@ -50,6 +56,7 @@ class CaptureOptions:
     on_nonfinite: str = "ignore"
     save_budget: Any = "auto"
     snapshot_params: bool = False
+    replayable: bool = False
 
     def __post_init__(self) -> None:
         if not (self.save_budget in ("auto", None) or (isinstance(self.save_budget, int) and not isinstance(self.save_budget, bool)
@@ -68,10 +75,17 @@ class CaptureOptions:
         if self.inference_only and (self.backward_ready or self.save_grads):
             raise InvalidArgumentError("capture_option_invalid", "inference_only=True conflicts with backward_ready/save_grads",
                                        remedy="drop inference_only or the gradient options", field="inference_only")
-        for name in ("detach_saved_activations", "backward_ready", "save_grads", "carry_state", "snapshot_params"):
+        for name in ("detach_saved_activations", "backward_ready", "save_grads", "carry_state", "snapshot_params",
+                     "replayable"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError("capture_option_invalid", f"{name} must be a bool", remedy=f"{name}=True or False",
                                            field=name)
+        if self.replayable:
+            if self.inference_only:
+                raise InvalidArgumentError("capture_option_invalid", "inference_only=True conflicts with replayable=True "
+                                           "(a replayable capture keeps its backward graph)",
+                                           remedy="drop inference_only or replayable", field="replayable")
+            object.__setattr__(self, "backward_ready", True)  # replayable asks for a backward (glossary)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -26,6 +26,10 @@ reflect applied where the replay applied it (sources included), so `fork.backwar
 the gradient of the edited forward. Editing that fork again without `differentiable=True`
 makes its backward refuse (the kept replay no longer matches its values).
 
+The walk itself is the SDK's `perturbed_replay` (the one the mlx, tf, paddle and tinygrad
+backends use); this module adds what only JAX does with it: the `jax.vjp` objective, the
+gradient-edit taps and the differentiable replay's edited sources.
+
 The state lives in the trace's backend-state slot (`trace.backend_state`, never on its
 records) and names the trace it was made for: a fork shares the slot but is not that trace,
 and a loaded trace has none, so for both `backward` refuses with `backward_not_requested`
@@ -41,7 +45,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from torchlens.backends.sdk import InvalidArgumentError, Replayer, param_values
+from torchlens.backends.sdk import InvalidArgumentError, Replayer, param_values, perturbed_replay
 from torchlens_jax.validate import JaxReplayOps
 
 _SOURCES = ("input", "buffer", "constant")
@@ -97,19 +101,6 @@ def keep_for_backward(trace: Any, out_tree: Any, save_grads: bool, edit_plan: An
     trace.backend_state = GradState(out_tree, save_grads, sources, weakref.ref(trace), plan)
 
 
-def _forward_edits(plan: Any, eid: int, outs: list[Any]) -> list[Any]:
-    """The plan's forward edits of event `eid` applied to its slots (as the capture did)."""
-    from torchlens.backends.sdk import HookContext, fire
-
-    for edit in plan.by_event[eid]:
-        for i, v in enumerate(outs):
-            if v is None or not hasattr(v, "shape"):
-                continue
-            ctx = HookContext(plan.labels.get(eid, str(eid)), None, None, plan.ops, run_state=plan.run_state)
-            outs[i] = fire(edit, v, ctx)
-    return outs
-
-
 def _grad_tap(plan: Any, eid: int) -> Callable[[Any], Any]:
     """An identity whose VJP applies the plan's gradient edits of event `eid` to the cotangent."""
 
@@ -146,41 +137,29 @@ def _default_loss(leaves: list[Any]) -> Any:
     return total
 
 
-def _evaluate(trace: Any, state: GradState, ops: list[Any], params: dict[str, Any]) -> Callable[[dict], Any]:
+def _evaluate(trace: Any, state: GradState, params: dict[str, Any]) -> Callable[[dict], Any]:
     """A function of the per-op perturbations returning the output pytree's leaves."""
 
     plan = state.edit_plan
-    fwd_edited = set(plan.by_event) if plan is not None else set()
     grad_edited = set(plan.grad_by_event) if plan is not None else set()
     taps = {eid: _grad_tap(plan, eid) for eid in grad_edited}
     # each op is re-executed by core's one replay engine (JaxReplayOps: parents as arrays, a
     # primitive's several results as its slots), on the values this evaluation computed
     replayer = Replayer(trace, JaxReplayOps(trace._backend))
+    # the SDK's perturbed-replay walk (the one mlx, tf, paddle and tinygrad use): a differentiable
+    # replay's plan edits the (clean) kept sources too; a gradient edit taps the perturbed value
+    edit_sources = isinstance(plan, _ReplayPlan)
 
     def run(eps: dict[int, tuple[Any, ...]]) -> list[Any]:
-        vals: dict[int, list[Any]] = {}
-        by_label: dict[str, tuple[Any, ...]] = {}  # the replayer's `changed`: every value computed so far
-        for op in ops:
-            if op.kind in _SOURCES:
-                outs = list(state.sources[op.event_id])  # recorded after any live edit: not edited again
-            elif op.kind == "output":
-                pid, slot = op.parent_slots[0]
-                outs = [vals[pid][slot]]
-            elif op.kind == "op":
-                outs = list(replayer.run(op, override=params, changed=by_label))
-            else:
-                continue
-            if op.event_id in fwd_edited and (op.kind in ("op", "output") or isinstance(plan, _ReplayPlan)):
-                outs = _forward_edits(plan, op.event_id, outs)
-            for k, e in (eps.get(op.event_id) or {}).items():
-                outs[k] = outs[k] + e
-                if op.event_id in grad_edited:
-                    outs[k] = taps[op.event_id](outs[k])
-            vals[op.event_id] = outs
-            by_label[op.label] = tuple(outs)
-        return [vals[o.event_id][0] for o in trace.output_ops]
+        return perturbed_replay(trace, state, replayer, eps, params=params, is_leaf=_is_value,
+                                edit_sources=edit_sources, taps=taps)
 
     return run
+
+
+def _is_value(v: Any) -> bool:
+    """A slot the forward edits apply to (an array; not a None slot)."""
+    return v is not None and hasattr(v, "shape")
 
 
 def backward(trace: Any, loss: Any = None, **kwargs: Any) -> None:
@@ -215,7 +194,7 @@ def backward(trace: Any, loss: Any = None, **kwargs: Any) -> None:
     ops = list(trace.ops)
     eps0 = {op.event_id: {k: jnp.zeros(op.shapes[k], jnp.dtype(d)) for k, d in enumerate(op.dtypes) if _inexact(d)}
             for op in ops if op.kind in (*_SOURCES, "op", "output")}
-    run = _evaluate(trace, state, ops, param_values(trace))
+    run = _evaluate(trace, state, param_values(trace))
 
     def objective(eps: dict) -> Any:
         leaves = run(eps)

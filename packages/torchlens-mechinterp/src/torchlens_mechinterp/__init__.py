@@ -56,6 +56,14 @@ _NAMES: dict[str, str] = {
     "EdgeScoreTable": "edges",
     "circuit_performance_ratio": "faithfulness",
     "circuit_model_difference": "faithfulness",
+    # ACDC recipe, causal_audit of EDGE tables, the replayability check (helper A, issue 17)
+    "acdc": "acdc",
+    "AcdcResult": "acdc",
+    "AcdcDecision": "acdc",
+    "causal_audit": "audit",
+    "EdgeAudit": "audit",
+    "EdgeAuditRow": "audit",
+    "require_replayable": "audit",
 }
 
 #: functions whose first parameter is a trace: what `trace.using("mechinterp")` serves.
@@ -63,6 +71,7 @@ TRACE_FUNCTIONS = frozenset({
     "residual_decomposition", "direct_logit_contributions", "attention_head_contributions",
     "head_weight_views", "qk_circuit", "ov_circuit", "mlp_neuron_contributions", "retention_plan",
     "head_scores", "inspect_prompt", "resolve_alias", "alias_report", "component_graph", "patch_edges",
+    "acdc", "require_replayable",
 })
 
 __all__ = sorted(_NAMES)

@@ -26,6 +26,7 @@ two captures (clean, corrupted) through `component_graph`.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,14 +34,15 @@ from typing import Any
 
 from torchlens.errors import MechInterpError
 from torchlens_mechinterp._common import _eps, _norm_kind
-from torchlens_mechinterp.graph import ComponentGraph, Edge, component_graph
+from torchlens_mechinterp.graph import ComponentGraph, Edge, Receiver, component_graph
 
 # ---------------------------------------------------------------------------------------------
 # local recomputation from the captured parameters
 
 
 def _norm_fn(trace: Any, address: str) -> Callable[[Any], Any]:
-    """norm(x) of the norm module `address`, rebuilt from its captured kind, eps and parameters."""
+    """norm(x) of the norm module `address`, rebuilt from its captured kind, eps and parameters;
+    `norm.vjp(x, U)` is its vector-Jacobian product for a stack of cotangents U [n, *x.shape]."""
     import torch
 
     call = trace._modules[address].calls[0]
@@ -64,6 +66,32 @@ def _norm_fn(trace: Any, address: str) -> Callable[[Any], Any]:
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return y * (g.to(x.dtype) + offset) if g is not None else y
 
+    def vjp(x: Any, U: Any) -> Any:
+        """J(x)^T u for every u of U (closed form; x [..., d], U [n, ..., d])."""
+        if kind == "layer_norm":
+            xc = x - x.mean(-1, keepdim=True)
+            inv = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+            xhat = xc * inv
+            a = U * g.to(U.dtype) if g is not None else U
+            return inv * (a - a.mean(-1, keepdim=True) - xhat * (a * xhat).mean(-1, keepdim=True))
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = x * inv
+        a = U * (g.to(U.dtype) + offset) if g is not None else U
+        return inv * (a - xhat * (a * xhat).mean(-1, keepdim=True))
+
+    def stats(x: Any) -> tuple[Any, Any]:
+        """(xhat, 1/sigma) of x [..., d]: the normalised input and its inverse scale."""
+        if kind == "layer_norm":
+            xc = x - x.mean(-1, keepdim=True)
+            inv = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+            return xc * inv, inv
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return x * inv, inv
+
+    norm.vjp = vjp  # type: ignore[attr-defined]
+    norm.stats = stats  # type: ignore[attr-defined]
+    norm.kind = kind  # type: ignore[attr-defined]
+    norm.gamma = None if g is None else g + offset  # type: ignore[attr-defined]
     return norm
 
 
@@ -105,33 +133,79 @@ def stage_sites(trace: Any, target: Any, graph: ComponentGraph, patched: dict[st
     output (m{L}, logits; an EDGE site) or the projection output with only that head's q/k/v
     columns replaced (an ACT site), recomputed locally from `trace`'s parameters. `target` is
     the trace whose current projection outputs the unpatched columns come from."""
-    cache = {} if cache is None else cache
-    sites: dict[str, Any] = {}
+    return _sites(trace, target, graph.receivers, patched, lambda n: graph.nodes[n].value,
+                  lambda r: r.value, corrupted_graph, {} if cache is None else cache)
+
+
+def _sites(trace: Any, target: Any, receivers: dict[str, Receiver], patched: dict[str, list[str]],
+           value_of: Callable[[str], Any], input_of: Callable[[Receiver], Any], corrupted_graph: ComponentGraph,
+           cache: dict[str, Any]) -> dict[str, Any]:
+    """The vectorised body of `stage_sites`: receivers are grouped by (input op, patched sender
+    set); each group's patched input is ``x + M @ (s_corrupt - s)`` over the stacked sender
+    differences, normed once; the q/k/v receivers' head slices are one batched matmul."""
+    import torch
+
+    groups: dict[tuple[str, tuple[str, ...]], list[Receiver]] = {}
     for rname, senders in patched.items():
-        r = graph.receivers[rname]
-        x = r.value.detach()
-        for s in senders:
-            x = x - graph.nodes[s].value.detach() + corrupted_graph.nodes[s].value.detach().to(x.dtype)
-        if "norm:" + r.norm not in cache:
-            cache["norm:" + r.norm] = _norm_fn(trace, r.norm)
-        norm = cache["norm:" + r.norm]
-        if r.kind in ("mlp", "logits"):
-            out = trace._ops[r.norm_output].out
-            sites[r.norm_output] = norm(x).reshape(out.shape).to(out.dtype)
+        r = receivers[rname]
+        groups.setdefault((r.label, tuple(sorted(senders))), []).append(r)
+    by_label: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
+    for key in groups:
+        by_label.setdefault(key[0], []).append(key)
+    sites: dict[str, Any] = {}
+    for keys in by_label.values():
+        r0 = groups[keys[0]][0]
+        x = input_of(r0).detach()
+        names = list(dict.fromkeys(s for k in keys for s in k[1]))
+        pos = {n: i for i, n in enumerate(names)}
+        xs = x.reshape(1, -1).expand(len(keys), -1)
+        if names:
+            diff = torch.stack([corrupted_graph.nodes[n].value.detach().to(x.dtype).reshape(-1)
+                                - value_of(n).detach().to(x.dtype).reshape(-1) for n in names])
+            mask = torch.zeros(len(keys), len(names), dtype=x.dtype)
+            for i, k in enumerate(keys):
+                mask[i, [pos[n] for n in k[1]]] = 1
+            xs = xs + mask @ diff
+        if "norm:" + r0.norm not in cache:
+            cache["norm:" + r0.norm] = _norm_fn(trace, r0.norm)
+        normed = cache["norm:" + r0.norm](xs.reshape((len(keys),) + tuple(x.shape)))
+        heads: list[tuple[int, Receiver]] = []
+        for g, k in enumerate(keys):
+            for r in groups[k]:
+                if r.kind in ("mlp", "logits"):
+                    out = trace._ops[r.norm_output].out
+                    sites[r.norm_output] = normed[g].reshape(out.shape).to(out.dtype)
+                else:
+                    heads.append((g, r))
+        if not heads:
             continue
-        if "proj:" + r.module not in cache:
-            cache["proj:" + r.module] = _projections(trace, r.module)
-        pj = cache["proj:" + r.module]
-        p = next(p for p in pj.values() if r.kind in p.W)
-        if p.label not in sites:
-            sites[p.label] = target._ops[p.label].out.detach().clone()
-        new = sites[p.label]
-        h, role = int(r.head), r.kind
-        val = norm(x) @ p.W[role][h].to(x.dtype)
-        if p.b[role] is not None:
-            val = val + p.b[role][h].to(x.dtype)
-        cols = p.cols[role][h]
-        new[..., cols] = val.reshape(new[..., cols].shape).to(new.dtype)
+        if "proj:" + r0.module not in cache:
+            cache["proj:" + r0.module] = _projections(trace, r0.module)
+        pj = cache["proj:" + r0.module]
+        role_proj = {role: p for p in pj.values() for role in p.W}
+        d = x.shape[-1]
+        inp = normed[torch.tensor([g for g, _ in heads])].reshape(len(heads), -1, d)
+        W = torch.stack([role_proj[r.kind].W[r.kind][int(r.head)] for _, r in heads]).to(x.dtype)
+        vals = torch.bmm(inp, W)  # [R, B*P, d_head]
+        if all(role_proj[r.kind].b[r.kind] is not None for _, r in heads):
+            vals = vals + torch.stack([role_proj[r.kind].b[r.kind][int(r.head)] for _, r in heads]
+                                      ).to(x.dtype).unsqueeze(1)
+        else:
+            for i, (_, r) in enumerate(heads):
+                b = role_proj[r.kind].b[r.kind]
+                if b is not None:
+                    vals[i] = vals[i] + b[int(r.head)].to(x.dtype)
+        by_proj: dict[str, list[int]] = {}
+        for i, (_, r) in enumerate(heads):
+            by_proj.setdefault(role_proj[r.kind].label, []).append(i)
+        for label, idx in by_proj.items():
+            if label not in sites:
+                sites[label] = target._ops[label].out.detach().clone()
+            new = sites[label]
+            flat = new.reshape(-1, new.shape[-1])
+            cols = torch.cat([role_proj[heads[i][1].kind].cols[heads[i][1].kind][int(heads[i][1].head)] for i in idx])
+            flat[:, cols] = vals[idx].permute(1, 0, 2).reshape(flat.shape[0], -1).to(new.dtype)
+            sites[label] = flat.reshape(new.shape)
     return sites
 
 
@@ -165,10 +239,15 @@ def _edge_names(edges: Iterable[Any], function: str) -> list[str]:
     return names
 
 
-def _replayable(trace: Any) -> bool:
-    opts = getattr(trace, "capture_options", None) or getattr(trace, "_capture_options", None)
-    val = getattr(opts, "replayable", None)
-    return bool(val) if val is not None else True
+def _graph_for(trace: Any, edges: Iterable[Any]) -> ComponentGraph:
+    """The component graph of `trace`: the one the passed Edge objects belong to when it was
+    built on this very trace and its values are still the trace's (every receiver value is the
+    op output object the trace holds now; a `do` on the trace replaces them), else a new build."""
+    graph = next((e.graph for e in edges if isinstance(e, Edge)), None)
+    if graph is not None and getattr(graph, "_trace", None) is trace and all(
+            trace._ops[r.label].out is r.value for r in graph.receivers.values()):
+        return graph
+    return component_graph(trace)
 
 
 def patch_edges(trace: Any, edges: Iterable[Any], *, corrupted_graph: ComponentGraph) -> Any:
@@ -176,16 +255,16 @@ def patch_edges(trace: Any, edges: Iterable[Any], *, corrupted_graph: ComponentG
     import torch
 
     function = "patch_edges"
+    edges = list(edges)
     names = _edge_names(edges, function)
     if not isinstance(corrupted_graph, ComponentGraph):
         raise MechInterpError("mi_edge_corrupted_graph_invalid", f"{function}: corrupted_graph= is a "
                               f"{type(corrupted_graph).__name__}, not a ComponentGraph", remedy="corrupted_graph="
                               "component_graph(corrupted_trace)", function=function)
-    if not _replayable(trace):
-        raise MechInterpError("mi_edge_patch_not_replayable", f"{function}: the trace was not captured with "
-                              "replayable=True", remedy="tl.trace(model, x, capture=tl.options.CaptureOptions("
-                              "replayable=True), save='all')", function=function)
-    graph = component_graph(trace)
+    from torchlens_mechinterp.audit import require_replayable
+
+    require_replayable(trace, function)  # mi_edge_patch_not_replayable, before anything runs
+    graph = _graph_for(trace, edges)
     unknown = sorted(n for n in names if n not in graph.edges)
     if unknown:
         raise MechInterpError("mi_edge_unknown", f"{function}: {len(unknown)} edges are not in this trace's "
@@ -216,14 +295,63 @@ def patch_edges(trace: Any, edges: Iterable[Any], *, corrupted_graph: ComponentG
     stages = [[r.name for r in st if r.name in by_receiver] for st in graph.stages()]
     stages = [st for st in stages if st]
     cache: dict[str, Any] = {}
-    current = graph
+    values = {n: node.value for n, node in graph.nodes.items()}  # the fork's current sender values
+    stale: set[str] = set()
     for i, stage in enumerate(stages):
-        if i > 0:
-            current = component_graph(fork, _views=graph._views)
-        sites = stage_sites(trace, fork, current, {r: by_receiver[r] for r in stage}, corrupted_graph, cache)
+        rs = {r: graph.receivers[r] for r in stage}
+        current = graph if i == 0 else _rebuild(graph, fork, rs, values, stale)
+        sites = _sites(trace, fork, current.receivers, {r: by_receiver[r] for r in stage}, values.__getitem__,
+                       lambda r: r.value, corrupted_graph, cache)
         with torch.no_grad():
             fork.do(sites)
+        key = graph.receivers[stage[0]].stage
+        stale |= {n for n, node in graph.nodes.items() if node.kind in ("head", "mlp") and _made_at(node) >= key}
     return fork
+
+
+def _made_at(node: Any) -> tuple[int, int]:
+    """The stage whose patches can change `node`: its own layer's attention (heads) or MLP."""
+    return (int(node.layer), 0 if node.kind == "head" else 1)
+
+
+def _rebuild(graph: ComponentGraph, fork: Any, receivers: dict[str, Any], values: dict[str, Any],
+             stale: set[str]) -> ComponentGraph:
+    """The component graph of the partly patched `fork`, for the receivers of one stage: the
+    structure is `graph`'s (patches change values, never the dataflow); the senders that earlier
+    stages may have changed are re-read from the fork (heads: z @ W_O from its z facet; MLPs:
+    their output op), each receiver's value is its pre-norm input op on the fork, and the
+    identity receipt is checked on them before any site is computed."""
+    import dataclasses
+
+    import torch
+
+    from torchlens_mechinterp.graph import _identity
+
+    shape = tuple(graph.nodes["input"].value.shape)
+    need = {s.name for r in receivers.values() for s in r.senders} & stale
+    heads: dict[str, Any] = {}
+    for n in sorted(need):
+        node = graph.nodes[n]
+        if node.kind == "mlp":
+            values[n] = fork._ops[node.label].out.reshape(shape)
+        else:
+            if node.module not in heads:
+                z = fork._modules[node.module].calls[0].facets["z"].value  # [B, P, H, d_head]
+                W_O = graph._views[node.module].W_O
+                heads[node.module] = torch.einsum("bphd,hde->bphe", z, W_O.to(z.dtype)).reshape(
+                    shape[:-1] + (W_O.shape[0], W_O.shape[-1]))
+            values[n] = heads[node.module][..., int(node.head), :]
+        stale.discard(n)
+    nodes = {n: dataclasses.replace(graph.nodes[n], value=values[n]) for n in
+             dict.fromkeys(s.name for r in receivers.values() for s in r.senders)}
+    inputs: dict[str, Any] = {}
+    fresh = {}
+    for name, r in receivers.items():
+        if r.label not in inputs:
+            inputs[r.label] = fork._ops[r.label].out
+        fresh[name] = dataclasses.replace(r, value=inputs[r.label], senders=[nodes[s.name] for s in r.senders])
+    receipt = _identity(fresh, torch)
+    return ComponentGraph(nodes, fresh, {}, receipt, graph.n_layers, graph.n_heads, graph.parallel)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,144 +450,303 @@ def edge_scores(model: Any, inputs: Any, *, corrupted_input: Any, metric: Callab
                               f"{tuple(getattr(corrupted_input, 'shape', ()))} differs from the clean input's "
                               f"{tuple(getattr(inputs, 'shape', ()))}", remedy="pad or pair the corrupted prompts "
                               "to the clean prompts' shape", function="edge_scores")
-    clean_t = tl.trace(model, inputs, save="all")
-    corrupt_t = tl.trace(model, corrupted_input, save="all")
-    try:
-        gc = component_graph(clean_t)
-        gk = component_graph(corrupt_t)
-        shared = _shared_norms(gc)
+    # the graph's STRUCTURE from one capture of the first clean row (the dataflow does not depend on the
+    # batch), kept per model while its parameters, buffers and the input's shape after the batch stay the same
+    key = _plan_key(model, inputs)
+    hit = _PLANS.get(model)
+    fresh = hit is None or hit[0] != key
+    if fresh:
+        st = tl.trace(model, inputs[:1], save="all")
+        try:
+            plan = _ScorePlan(st, model)
+        finally:
+            try:
+                st.cleanup()
+            except Exception:  # noqa: BLE001 - cleanup is best-effort
+                pass
+        _PLANS[model] = (key, plan)
+    else:
+        plan = hit[1]
+    return plan.run(model, inputs, corrupted_input, metric, method, steps, example_reduction, fresh, torch)
+
+
+#: model -> (key, _ScorePlan): the structure of the last edge_scores call on that model
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plan_key(model: Any, inputs: Any) -> tuple:
+    """What the cached structure depends on: the input's shape after the batch and dtype, and every
+    parameter and buffer (storage, in-place version, shape, dtype), and the training flag."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return (tuple(inputs.shape[1:]), str(inputs.dtype), bool(getattr(model, "training", False)),
+            tuple((t.data_ptr(), t._version, tuple(t.shape), str(t.dtype)) for t in tensors))
+
+
+class _ScorePlan:
+    """Everything edge_scores reads from the structure capture: the component graph, the module
+    of every hook point (input node, o-projections, MLPs, pre-norms, q/k/v projections, LM head)
+    and the per-head weights; `run` then scores all edges from live hooked forwards."""
+
+    def __init__(self, trace: Any, model: Any) -> None:
+        import torch
+
+        from torchlens_mechinterp._common import head_facts
+        from torchlens_mechinterp.heads import _o_projection
+
+        g = component_graph(trace)
+        shared = _shared_norms(g)
         if shared:
             raise MechInterpError("mi_edge_scores_shared_norm", f"edge_scores: one norm feeds several blocks "
                                   f"{shared}: a receiver-local gradient is not defined", remedy="use a model whose "
                                   "attention and MLP have their own pre-norms (GPT-2, GPT-NeoX, Pythia)",
                                   function="edge_scores", shared={k: list(v) for k, v in shared.items()})
-        in_module, _ = _input_module(clean_t, gc)
-        projs = {a: _projections(clean_t, a) for a in {r.module for r in gc.receivers.values()
-                                                       if r.kind in ("q", "k", "v")}}
-        proj_module = {p.label: clean_t._ops[p.label].module for pj in projs.values() for p in pj.values()}
-        for lab, mod in proj_module.items():
-            call = clean_t._modules[mod].calls[0]
+        self.graph = g
+        self.in_module, _ = _input_module(trace, g)
+        attns = list(dict.fromkeys(n.module for n in g.nodes.values() if n.kind == "head"))
+        self.projs = {a: _projections(trace, a) for a in attns}
+        self.proj_module = {p.label: trace._ops[p.label].module for pj in self.projs.values() for p in pj.values()}
+        for lab, mod in self.proj_module.items():
+            call = trace._modules[mod].calls[0]
             if not call.output_labels or call.output_labels[0] != lab:
                 raise _setting(f"the q/k/v projection output {lab!r} is not its module's output")
-        from torchlens_mechinterp._common import head_facts
-
-        head_address = clean_t._ops[head_facts(clean_t, "edge_scores").logits_label].module
-        if not head_address or head_address == "self":
+        self.o_module = {a: _o_projection(trace, a, "edge_scores")[4] for a in attns}
+        self.W_O = {a: g._views[a].W_O.detach() for a in attns}
+        self.head_address = trace._ops[head_facts(trace, "edge_scores").logits_label].module
+        if not self.head_address or self.head_address == "self":
             raise _setting("the unembedding does not run inside a module of its own (no hook point)")
-        e_clean = gc.nodes["input"].value.detach()
-        e_corrupt = gk.nodes["input"].value.detach()
-        grads = _receiver_grads(model, inputs, gc, projs, proj_module, in_module, head_address, metric, e_clean,
-                                e_corrupt, steps, method, torch)
-        rows: dict[str, EdgeScore] = {}
-        B = e_clean.shape[0]
-        for name, e in gc.edges.items():
-            if e.sender.kind == "bias":
-                score = 0.0
-            else:
-                diff = gk.nodes[e.sender.name].value.detach() - e.sender.value.detach()
-                per = (diff.to(grads[e.receiver.name].dtype) * grads[e.receiver.name]).reshape(B, -1).sum(-1)
-                score = float(per.mean() if example_reduction == "mean" else per.sum())
-            rows[name] = EdgeScore(score, e.receiver.name, e.sender.name)
-        meta = {"method": method, "steps": steps, "example_reduction": example_reduction, "n_edges": len(rows),
-                "identity_receipt": gc.identity_receipt["max_budget_fraction"]}
-        return EdgeScoreTable(rows, meta)
-    finally:
-        for t in (clean_t, corrupt_t):
-            try:
-                t.cleanup()
-            except Exception:  # noqa: BLE001 - cleanup is best-effort
-                pass
+        # senders in graph order without the bias nodes (their scores are exactly 0); one block per receiver input
+        self.senders = [n for n in g.nodes.values() if n.kind != "bias"]
+        self.index = {n.name: i for i, n in enumerate(self.senders)}
+        self.norms = list(dict.fromkeys(r.norm for r in g.receivers.values()))
+        self.mlps = {n.module: n for n in g.nodes.values() if n.kind == "mlp"}
+        self.norm_fns = {n: _norm_fn(trace, n) for n in self.norms}
+        # pre-norm input label -> its receivers, ordered: the q/k/v heads of each projection output (with
+        # the gathered columns and stacked transposed weights of their slices), then the m{L} / logits reader
+        self.blocks: dict[str, list[Any]] = {}
+        self.gathers: dict[str, list[tuple[str, Any, Any, int]]] = {}  # label -> [(proj label, cols, W^T, n)]
+        by_label: dict[str, list[Any]] = {}
+        for r in g.receivers.values():
+            by_label.setdefault(r.label, []).append(r)
+        for label, rs in by_label.items():
+            ordered, gathers = [], []
+            heads = [r for r in rs if r.kind in ("q", "k", "v")]
+            for plabel in dict.fromkeys(p.label for r in heads for p in self.projs[r.module].values()
+                                        if r.kind in p.W):
+                mine = [r for r in heads if next(p for p in self.projs[r.module].values() if r.kind in p.W).label
+                        == plabel]
+                p = next(p for p in self.projs[mine[0].module].values() if p.label == plabel)
+                cols = torch.cat([p.cols[r.kind][int(r.head)] for r in mine])
+                WT = torch.stack([p.W[r.kind][int(r.head)].transpose(0, 1) for r in mine])  # [n, d_head, d]
+                nf = self.norm_fns[mine[0].norm]
+                if nf.gamma is not None:  # the norm's scale folded into the slices: a = gamma * (g_cols @ W^T)
+                    WT = WT * nf.gamma.to(WT.dtype)
+                if nf.kind == "layer_norm":  # centred over d: a - mean(a) in the same matmul
+                    WT = WT - WT.mean(-1, keepdim=True)
+                gathers.append((plabel, cols, WT, len(mine)))
+                ordered += mine
+            ordered += [r for r in rs if r.kind in ("mlp", "logits")]
+            self.blocks[label], self.gathers[label] = ordered, gathers
 
+    # -- one hooked forward ------------------------------------------------------------------
 
-def _receiver_grads(model: Any, inputs: Any, graph: ComponentGraph, projs: dict[str, dict[str, _Proj]],
-                    proj_module: dict[str, str], in_module: str, head_address: str, metric: Callable, e_clean: Any, e_corrupt: Any, steps: int,
-                    method: str, torch: Any) -> dict[str, Any]:
-    """receiver name -> dM/d(receiver input), receiver-local, averaged over the evaluation points."""
-    recv = list(graph.receivers.values())
-    norm_mods = {r.norm for r in recv}
-    proj_labels = list(proj_module)
-    acc: dict[str, Any] = {}
-    for k in range(steps):
-        alpha = 1.0 if method == "eap" else k / steps
-        point = e_corrupt + alpha * (e_clean - e_corrupt)
+    def _forward(self, model: Any, x: Any, point: Any, grad: bool, torch: Any) -> dict[str, Any]:
+        """Run `model(x)` with hooks; `point` (or None) replaces the input node's value. Returns
+        the reads: "input", "z:<attn>" (o-projection input), "mlp:<mlp>", "norm_in:<norm>",
+        "norm:<norm>" / proj labels (the receivers' reads, grad-retaining when `grad`), "logits"."""
         seen: dict[str, Any] = {}
-        handles = []
+        hs = []
 
-        def put_input(_m: Any, _a: Any, out: Any, point: Any = point) -> Any:
-            # a leaf, so the receivers' reads carry gradients even with frozen parameters
-            return point.reshape(out.shape).to(out.dtype).clone().requires_grad_(True)
+        def on_input(_m: Any, _a: Any, out: Any) -> Any:
+            val = out if point is None else point.reshape(out.shape).to(out.dtype)
+            if grad:  # a leaf, so the receivers' reads carry gradients with frozen parameters
+                val = val.detach().clone().requires_grad_(True)
+            seen["input"] = val
+            return val
 
-        def keep(name: str, what: str, seen: dict[str, Any] = seen) -> Callable:
+        def keep(key: str, what: str) -> Callable:
             def hook(_m: Any, args: Any, out: Any) -> None:
                 if what == "norm":
-                    seen[name + ":in"] = args[0]
+                    seen["norm_in:" + key] = args[0]
                 t = out[0] if isinstance(out, tuple) else out
-                t.retain_grad()
-                seen[name] = t
+                seen[key if what != "norm" else "norm:" + key] = t
+            return hook
+
+        def keep_z(attn: str) -> Callable:
+            def hook(_m: Any, args: Any) -> None:
+                seen["z:" + attn] = args[0]
             return hook
 
         try:
-            if True:  # eap: the clean input node itself (alpha = 1)
-                handles.append(model.get_submodule(in_module).register_forward_hook(put_input))
-            for n in norm_mods:
-                handles.append(model.get_submodule(n).register_forward_hook(keep(n, "norm")))
-            for lab, mod in proj_module.items():
-                handles.append(model.get_submodule(mod).register_forward_hook(keep(lab, "proj")))
-            handles.append(model.get_submodule(head_address).register_forward_hook(keep("logits", "head")))
-            with torch.enable_grad():
-                model(inputs)
-                logits = seen["logits"]
-                m = metric(logits)
-                B = logits.shape[0]
-                if not hasattr(m, "shape") or tuple(m.shape) != (B,):
-                    raise MechInterpError("mi_edge_scores_metric_invalid", f"edge_scores: metric returned "
-                                          f"{tuple(getattr(m, 'shape', ())) or type(m).__name__}, not one value per "
-                                          f"example ({B},)", remedy="return a [batch] tensor, e.g. logits[:, -1, a] "
-                                          "- logits[:, -1, b]", function="edge_scores")
-                keys = list(norm_mods) + proj_labels
-                gs = torch.autograd.grad(m.sum(), [seen[n] for n in keys], allow_unused=True)
-                pulled = _pullback(model, graph, projs, seen, dict(zip(keys, gs)), torch)
+            hs.append(model.get_submodule(self.in_module).register_forward_hook(on_input))
+            for a, mod in self.o_module.items():
+                hs.append(model.get_submodule(mod).register_forward_pre_hook(keep_z(a)))
+            for mod in self.mlps:
+                hs.append(model.get_submodule(mod).register_forward_hook(keep("mlp:" + mod, "out")))
+            for n in self.norms:
+                hs.append(model.get_submodule(n).register_forward_hook(keep(n, "norm")))
+            if grad:
+                for lab, mod in self.proj_module.items():
+                    hs.append(model.get_submodule(mod).register_forward_hook(keep(lab, "proj")))
+            hs.append(model.get_submodule(self.head_address).register_forward_hook(keep("logits", "head")))
+            with torch.enable_grad() if grad else torch.no_grad():
+                model(x)
         finally:
-            for h in handles:
+            for h in hs:
                 h.remove()
-        for name, g in pulled.items():
-            acc[name] = g if name not in acc else acc[name] + g
-    return {n: g / steps for n, g in acc.items()}
+        return seen
 
+    def _sender_values(self, seen: dict[str, Any], torch: Any) -> dict[str, Any]:
+        """Sender name -> [B, P, d_model] from one forward's reads (heads: z_h @ W_O[h])."""
+        e = seen["input"].detach()
+        out = {"input": e}
+        shape = tuple(e.shape)
+        for a, W_O in self.W_O.items():
+            z = seen["z:" + a].detach()
+            res = torch.einsum("bphd,hde->bphe", z.reshape(shape[:-1] + (W_O.shape[0], W_O.shape[1])),
+                               W_O.to(z.dtype))
+            for n in self.senders:
+                if n.kind == "head" and n.module == a:
+                    out[n.name] = res[..., int(n.head), :]
+        for mod, n in self.mlps.items():
+            out[n.name] = seen["mlp:" + mod].detach().reshape(shape)
+        return out
 
-def _pullback(model: Any, graph: ComponentGraph, projs: dict[str, dict[str, _Proj]], seen: dict[str, Any],
-              gmap: dict[str, Any], torch: Any) -> dict[str, Any]:
-    """Local pull-back of each receiver's own read gradient to its input (norm input)."""
-    out: dict[str, Any] = {}
-    by_norm: dict[str, list[tuple[str, Any]]] = {}
-    for r in graph.receivers.values():
-        g_read = gmap.get(r.norm)
-        if r.kind in ("mlp", "logits"):
-            u = g_read if g_read is not None else torch.zeros_like(seen[r.norm])
-            by_norm.setdefault(r.norm, []).append((r.name, u.detach()))
-            continue
-        p = next(p for p in projs[r.module].values() if r.kind in p.W)
-        g = gmap.get(p.label)
-        x = seen[r.norm + ":in"]
-        if g is None:
-            u = torch.zeros_like(x)
+    def _check_row0(self, values: dict[str, Any], seen: dict[str, Any], fresh: bool, torch: Any) -> None:
+        """The hooks read what the captured graph names, checked on row 0 of the clean batch: every
+        receiver input read by a hook is the sum of its hooked senders (the identity receipt on the
+        live values, float budget as in component_graph), and, when the structure was captured from
+        this very row, each hooked value equals the capture's (float-rounding tolerant)."""
+        from torchlens_mechinterp._common import dtype_eps
+        from torchlens_mechinterp.graph import IDENTITY_HEADROOM
+
+        bias = {n.name: n.value for n in self.graph.nodes.values() if n.kind == "bias"}
+        for rs in self.blocks.values():
+            r = rs[0]
+            parts = torch.stack([(bias[s.name] if s.kind == "bias" else values[s.name])[:1].detach().double()
+                                 .reshape(-1) for s in r.senders])
+            v = seen["norm_in:" + r.norm][:1].detach().double().reshape(-1)
+            eps = dtype_eps(seen["norm_in:" + r.norm], values["input"])
+            budget = IDENTITY_HEADROOM * eps * (1 + len(r.senders)) * (parts.abs().sum(0) + v.abs())
+            if bool(((parts.sum(0) - v).abs() > budget).any()):
+                raise _setting(f"the live hooks for receiver {r.name!r}: its input is not the sum of its senders "
+                               "(the model's forward differs from the captured structure)", receiver=r.name)
+        if not fresh:
+            return
+        pairs = [(n.name, values[n.name][:1], n.value) for n in self.senders]
+        pairs += [(r.name, seen["norm_in:" + r.norm][:1], r.value) for r in
+                  (rs[0] for rs in self.blocks.values())]
+        for name, got, ref in pairs:
+            got, ref = got.detach().double(), ref.detach().double().reshape(got.shape)
+            tol = 1e4 * dtype_eps(ref) * float(ref.abs().max().clamp_min(1e-30))
+            if float((got - ref).abs().max()) > tol:
+                raise _setting(f"the live hook for {name!r} does not read what the captured graph names (the model's "
+                               "forward differs between the capture and the scoring passes)", node=name)
+
+    # -- the scores ----------------------------------------------------------------------------
+
+    def run(self, model: Any, inputs: Any, corrupted: Any, metric: Callable, method: str, steps: int,
+            reduction: str, fresh: bool, torch: Any) -> EdgeScoreTable:
+        g = self.graph
+        grads: dict[str, Any] = {}  # pre-norm input label -> summed receiver gradients [n, B*P, d]
+        if method == "eap":
+            clean_seen = self._forward(model, inputs, None, True, torch)
+            s_clean = self._sender_values(clean_seen, torch)
+            self._check_row0(s_clean, clean_seen, fresh, torch)
+            s_corr = self._sender_values(self._forward(model, corrupted, None, False, torch), torch)
+            self._grads(clean_seen, metric, grads, torch)
         else:
-            cols = p.cols[r.kind][int(r.head)]
-            gs = g[..., cols]  # [B, P, d_head]
-            u = gs @ p.W[r.kind][int(r.head)].to(gs.dtype).transpose(0, 1)  # [B, P, d_model]
-        by_norm.setdefault(r.norm, []).append((r.name, u.detach()))
-    # one vjp per norm for all its receivers: the norm applied to a stacked copy of its input
-    for norm, items in by_norm.items():
-        x = seen[norm + ":in"].detach()
-        xs = x.unsqueeze(0).expand(len(items), *x.shape).clone().requires_grad_(True)
-        mod = model.get_submodule(norm)
+            clean_seen = self._forward(model, inputs, None, False, torch)
+            s_clean = self._sender_values(clean_seen, torch)
+            self._check_row0(s_clean, clean_seen, fresh, torch)
+            del clean_seen
+            e_clean = s_clean["input"]
+            s_corr: dict[str, Any] = {}
+            for k in range(steps):
+                if k == 0:  # e_corrupt itself: the corrupted input's forward
+                    seen = self._forward(model, corrupted, None, True, torch)
+                    s_corr = self._sender_values(seen, torch)
+                else:
+                    e_corrupt = s_corr["input"]
+                    seen = self._forward(model, inputs, e_corrupt + (k / steps) * (e_clean - e_corrupt), True, torch)
+                self._grads(seen, metric, grads, torch)
+                del seen
+        rows = self._scores(s_clean, s_corr, grads, reduction, steps, torch)
+        meta = {"method": method, "steps": steps, "example_reduction": reduction, "n_edges": len(rows),
+                "identity_receipt": g.identity_receipt["max_budget_fraction"]}
+        return EdgeScoreTable(rows, meta)
+
+    def _grads(self, seen: dict[str, Any], metric: Callable, acc: dict[str, Any], torch: Any) -> None:
+        """Adds to acc[pre-norm input label] ([n_receivers, B*P, d]) the receiver-local gradients at this point: ONE
+        backward to the receivers' reads (pre-norm outputs of m{L} / logits, q/k/v projection
+        outputs), then per norm a closed-form pull-back of all its receivers' read gradients (each
+        q/k/v head's columns through its weight slice: one batched matmul)."""
         with torch.enable_grad():
-            y = mod(xs)
-            cot = torch.stack([u.reshape(x.shape[:-1] + (u.shape[-1],)).to(y.dtype) for _, u in items])
-            (gx,) = torch.autograd.grad(y, xs, cot)
-        for (name, _), g in zip(items, gx):
-            out[name] = g.detach()
-    return out
+            logits = seen["logits"]
+            m = metric(logits)
+            B = logits.shape[0]
+            if not hasattr(m, "shape") or tuple(m.shape) != (B,):
+                raise MechInterpError("mi_edge_scores_metric_invalid", f"edge_scores: metric returned "
+                                      f"{tuple(getattr(m, 'shape', ())) or type(m).__name__}, not one value per "
+                                      f"example ({B},)", remedy="return a [batch] tensor, e.g. logits[:, -1, a] "
+                                      "- logits[:, -1, b]", function="edge_scores")
+            keys = list(dict.fromkeys("norm:" + rs[-1].norm for rs in self.blocks.values()
+                                      if rs[-1].kind in ("mlp", "logits"))) + list(self.proj_module)
+            gs = torch.autograd.grad(m.sum(), [seen[k] for k in keys], allow_unused=True)
+        gmap = dict(zip(keys, gs))
+        for label, rs in self.blocks.items():
+            norm = rs[0].norm
+            nf = self.norm_fns[norm]
+            x = seen["norm_in:" + norm].detach()
+            d = x.shape[-1]
+            xf = x.reshape(-1, d)
+            if label not in acc:
+                acc[label] = xf.new_zeros((len(rs),) + tuple(xf.shape))
+            out = acc[label]
+            xhat, inv = nf.stats(xf)
+            at = 0
+            # q/k/v heads, closed form J^T u = inv * (a - mean(a) - xhat * mean(a * xhat)), a = gamma * u,
+            # u = g_cols @ W^T: `a - mean(a)` is one batched matmul with the centred folded slices
+            for plabel, cols, WT, n in self.gathers[label]:
+                gp = gmap.get(plabel)
+                if gp is not None:
+                    gsel = gp.reshape(-1, gp.shape[-1])[:, cols].to(xf.dtype).reshape(xf.shape[0], n, -1)
+                    a = torch.bmm(gsel.transpose(0, 1), WT.to(xf.dtype))  # [n, B*P, d]
+                    c = (a * xhat).sum(-1, keepdim=True) / d  # mean(a * xhat); xhat sums to 0 for layer_norm
+                    a.addcmul_(xhat.unsqueeze(0), c, value=-1)
+                    out[at:at + n].addcmul_(a, inv.unsqueeze(0))
+                at += n
+            if rs[-1].kind in ("mlp", "logits"):
+                u = gmap.get("norm:" + norm)
+                if u is not None:
+                    out[at:at + 1] += nf.vjp(xf, u.detach().reshape(1, -1, d).to(xf.dtype))
+
+    def _scores(self, s_clean: dict[str, Any], s_corr: dict[str, Any], grads: dict[str, Any], reduction: str,
+                steps: int, torch: Any) -> dict[str, EdgeScore]:
+        """score(s -> r) = sum over positions of (s_corrupt - s_clean) . grad_r, one batched matmul per
+        receiver input (senders x receivers per row), reduced over rows."""
+        e = s_clean["input"]
+        B = e.shape[0]
+        diff = torch.stack([(s_corr[n.name].to(e.dtype) - s_clean[n.name].to(e.dtype)).reshape(B, -1)
+                            for n in self.senders], 1)  # [B, N, P*d]
+        vals: dict[tuple[str, str], float] = {}
+        for label, rs in self.blocks.items():
+            idx = [self.index[s.name] for s in rs[0].senders if s.kind != "bias"]
+            if idx == list(range(idx[0], idx[0] + len(idx))):
+                d = diff[:, idx[0]:idx[0] + len(idx)]
+            else:
+                d = diff[:, idx]
+            G = grads[label].to(e.dtype).reshape(len(rs), B, -1).permute(1, 2, 0)  # [B, P*d, R]
+            per = torch.bmm(d, G)  # [B, n_senders, R]
+            red = ((per.mean(0) if reduction == "mean" else per.sum(0)) / steps).tolist()
+            names = [self.senders[i].name for i in idx]
+            for j, r in enumerate(rs):
+                for i, sname in enumerate(names):
+                    vals[(sname, r.name)] = red[i][j]
+        rows: dict[str, EdgeScore] = {}
+        for name, edge in self.graph.edges.items():
+            score = 0.0 if edge.sender.kind == "bias" else float(vals[(edge.sender.name, edge.receiver.name)])
+            rows[name] = EdgeScore(score, edge.receiver.name, edge.sender.name)
+        return rows
 
 
 __all__ = ["patch_edges", "edge_scores", "EdgeScoreTable", "EdgeScore"]

@@ -17,7 +17,6 @@ backend (`explicit_seed_unsupported`): seed with `mx.random.seed` or pass keys.
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import mlx.core as mx
@@ -25,34 +24,19 @@ import mlx.nn as nn
 import numpy as np
 
 from torchlens.backends.sdk import (
-    ArgRef,
+    BackendBase,
     BackendCapabilities,
     BackendUnsupportedError,
     EventLog,
     InvalidArgumentError,
     ModelInfo,
-    ModuleEnter,
-    ModuleExit,
-    ModuleInfo,
     OpEvent,
     ParamInfo,
-    Provenance,
-    ReentrantTraceError,
-    TraceCaptureError,
-    ValidationStatus,
-    apply_save,
-    build_trace,
+    RecorderBase,
     call_site,
-    check_requested_capabilities,
     foreign_leaf,
-    keyword_path,
-    leaf_paths,
-    module_parents,
-    positional_path,
-    refusal_codes_for,
-    save_plan,
 )
-from torchlens_mlx import __version__, patch
+from torchlens_mlx import patch
 from torchlens_mlx.plugin import FRAMEWORK
 
 _RANDOM = "mlx.core.random."
@@ -75,47 +59,29 @@ def _buffer_key(a: Any) -> tuple:
     return (h.__array_interface__["data"][0], h.shape, h.strides, str(a.dtype))
 
 
-def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    return leaf_paths(obj, path, _is_leaf)
-
-
-def _is_leaf(obj: Any) -> bool:
-    return isinstance(obj, mx.array)
-
-
 def _foreign(obj: Any) -> str | None:
     """The type name of the first array of another framework (or numpy) inside `obj`, if any."""
     return foreign_leaf(obj, ("torch", "jax", "jaxlib", "tensorflow"))
 
 
-class _Recorder:
+class _Recorder(RecorderBase):
     """Turns wrapped calls into `OpEvent`s and module calls into enter/exit events."""
 
-    def __init__(self, model: Any, modules: list[tuple[str, Any]], log: EventLog, wrapper_code: Any) -> None:
-        self.log = log
+    def __init__(self, modules: list[tuple[str, Any]], log: EventLog, wrapper_code: Any) -> None:
+        super().__init__(log, modules)
         self.busy = False
-        self.addr_of = {id(m): a for a, m in modules}
-        self.param_addr: dict[int, str] = {}
-        self.producer: dict[int, tuple[int, int]] = {}
         self.by_buffer: dict[tuple, tuple[int, int]] = {}
-        self.events_by_id: dict[int, Any] = {}
         self.param_buffer: dict[tuple, str] = {}
-        self.alive: list[Any] = []  # keeps ids stable during the capture
-        self.stack: list[tuple[str, int]] = []
-        self.objs: list[Any] = []
-        self.calls: dict[str, int] = {}
-        self.edit_plan: Any = None
         self.wrapper_code = wrapper_code
 
-    # sources ------------------------------------------------------------------------------
-    def source(self, kind: str, value: Any, path: str) -> tuple[int, int]:
-        i = self.log.new_id()
+    def is_leaf(self, value: Any) -> bool:
+        return isinstance(value, mx.array)
+
+    def dtype_of(self, value: Any) -> str:
+        return _dtype(value)
+
+    def settle(self, value: Any) -> None:
         mx.eval(value)
-        self._append(OpEvent(i, kind, kind, outputs=(value,), shapes=(tuple(value.shape),),
-                                dtypes=(_dtype(value),), path=path,
-                                module_stack=tuple(self.stack) if kind == "constant" else ()))
-        self.register(value, (i, 0))
-        return (i, 0)
 
     def protect(self, value: Any) -> None:
         """Payloads are the live arrays (a copy could change their memory layout, and with
@@ -131,9 +97,8 @@ class _Recorder:
             ev.outputs = tuple(outs)
 
     def register(self, value: Any, src: tuple[int, int]) -> None:
-        self.producer[id(value)] = src
+        super().register(value, src)
         self.by_buffer[_buffer_key(value)] = src
-        self.alive.append(value)
 
     def lookup(self, value: Any) -> tuple[int, int] | None:
         src = self.producer.get(id(value))
@@ -149,10 +114,6 @@ class _Recorder:
             addr = self.param_buffer.get(_buffer_key(value))
         return addr
 
-    def _append(self, ev: Any) -> None:
-        self.events_by_id[ev.id] = ev
-        self.log.append(ev)
-
     # ops ----------------------------------------------------------------------------------
     def before(self, qualname: str, args: tuple, kwargs: dict) -> Any:
         """Before an `mx.random` call: the global key (`record` sees whether the call consumed
@@ -160,7 +121,7 @@ class _Recorder:
         if qualname.rpartition(".")[2] in patch.INPLACE:
             self.busy = True  # sources for arrays first seen here, before the call writes into them
             try:
-                self._template((args, kwargs), [], [])
+                self.template((args, kwargs), [], [])
                 self.protect(args[0])
             finally:
                 self.busy = False
@@ -174,26 +135,6 @@ class _Recorder:
                 self.busy = False
         return None
 
-    def _template(self, obj: Any, parents: list, params: list) -> Any:
-        if isinstance(obj, mx.array):
-            addr = self.param_of(obj)
-            if addr is not None:
-                if addr not in params:
-                    params.append(addr)
-                return ArgRef(address=addr)
-            src = self.lookup(obj)
-            if src is None:
-                src = self.source("constant", obj, "constant")
-            parents.append(src)
-            return ArgRef(index=len(parents) - 1)
-        if type(obj) is tuple:
-            return tuple(self._template(o, parents, params) for o in obj)
-        if type(obj) is list:
-            return [self._template(o, parents, params) for o in obj]
-        if type(obj) is dict:
-            return {k: self._template(v, parents, params) for k, v in obj.items()}
-        return obj
-
     def record(self, name: str, func: Any, qualname: str, args: tuple, kwargs: dict, out: Any, rng: Any,
                inplace: bool = False) -> Any:
         receiver = args[0] if inplace else None
@@ -201,26 +142,17 @@ class _Recorder:
             value: Any = receiver
         else:
             value = out
-        if isinstance(value, mx.array):
-            outs, multi = (value,), False
-        elif isinstance(value, (tuple, list)) and value and all(isinstance(v, mx.array) for v in value):
-            outs, multi = tuple(value), True
-        else:
+        split = self.split_outputs(value)
+        if split is None:
             return out  # not an array-producing call
+        outs, multi = split
         self.busy = True
         try:
             site = call_site(sys._getframe(2), self.wrapper_code)
-            parents: list[tuple[int, int]] = []
-            params: list[str] = []
             # in-place: the receiver's value before the write is the parent
-            args_t = self._template(args, parents, params)
-            kwargs_t = self._template(kwargs, parents, params)
+            parents, params, args_t, kwargs_t = self.arguments(args, kwargs)
             i = self.log.new_id()
-            if self.edit_plan is not None and i in self.edit_plan:
-                edited = tuple(self.edit_plan.apply(i, outs))
-                if not inplace:
-                    outs = edited
-                    out = edited[0] if not multi else type(value)(edited)
+            outs, out = self.apply_edits(i, outs, out, multi, inplace)
             mx.eval(*outs)
             meta: dict[str, Any] = {"qualname": qualname}
             if rng is not None:
@@ -230,7 +162,7 @@ class _Recorder:
                     # a keyless draw: it used the second half of splitting the global key,
                     # which replay passes as an explicit key= (a list of ints: saved files carry it)
                     meta["rng_key"] = mx.random.split(rng)[1].tolist()
-            self._append(OpEvent(
+            self.append(OpEvent(
                 i, "op", name, parents=tuple(parents), outputs=tuple(outs),
                 shapes=tuple(tuple(o.shape) for o in outs), dtypes=tuple(_dtype(o) for o in outs),
                 module_stack=tuple(self.stack), site=(qualname, site), params=tuple(params), multi_output=multi,
@@ -241,26 +173,9 @@ class _Recorder:
             self.busy = False
         return out
 
-    # module scopes --------------------------------------------------------------------------
-    def enter(self, module: Any, args: tuple, kwargs: dict) -> None:
-        addr = self.addr_of.get(id(module), f"<unregistered {type(module).__name__}>")
-        n = self.calls.get(addr, 0) + 1
-        self.calls[addr] = n
-        self.stack.append((addr, n))
-        self.objs.append(module)
-        ins = tuple(s for s in (self.lookup(a) for _p, a in _leaf_paths((args, kwargs), "")) if s is not None)
-        self.log.append(ModuleEnter(addr, n, ins))
-
-    def exit(self, out: Any) -> None:
-        addr, n = self.stack.pop()
-        self.objs.pop()
-        outs = tuple(s for s in (self.lookup(o) for _p, o in _leaf_paths(out, "")) if s is not None)
-        self.log.append(ModuleExit(addr, n, outs))
-
 
 def _dtype(a: Any) -> str:
     return str(a.dtype).replace("mlx.core.", "")
-
 
 
 def _module_call_wrapper(original: Any) -> Any:
@@ -301,51 +216,26 @@ def model_modules(model: Any) -> list[tuple[str, Any]]:
     return [(a, m) for a, m in out if a == "self" or a in named]
 
 
-class MLXBackend:
+class MLXBackend(BackendBase):
     """BackendProtocol implementation for MLX (preview)."""
 
     name = "mlx"
-    maturity = "preview"
     framework = FRAMEWORK
-    materialization = "eager"
-    _OPTIONS = frozenset({"save", "capture", "replay_rng"})
+    package, edit_ops_name, codec_name = "torchlens_mlx", "MLXEditOps", "MLXCodec"
+    # rng_replay: every draw replays exactly, keyed (`key=` is a recorded argument) or keyless
+    # (the global key the draw consumed is recorded and replayed as `key=`; module docstring)
+    CAPABILITIES = BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
+                                       backward_capture=True, rng_replay=True)
+    own_refusals = frozenset({"foreign_tensor_input"})
+    module_types = (nn.Module,)
+    capture_noun = "an MLX capture"
+    replay_rng_note = "MLX draws always record the key they used, so they always replay"
 
-    def capabilities(self) -> BackendCapabilities:
-        # rng_replay: every draw replays exactly, keyed (`key=` is a recorded argument) or keyless
-        # (the global key the draw consumed is recorded and replayed as `key=`; module docstring)
-        return BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
-                                   backward_capture=True, rng_replay=True)
+    def module_pairs(self, model: Any) -> list[tuple[str, Any]]:
+        return model_modules(model)
 
-    def backward(self, trace: Any, loss: Any = None, **kwargs: Any) -> Any:
-        """Fill `op.grads` of every saved op: the gradient of `loss(output)` (a callable of the
-        output; None sums its float leaves), by `mx.vjp` over the recorded ops."""
-        from torchlens_mlx.grads import backward
-
-        return backward(trace, loss, **kwargs)
-
-    def edit_ops(self) -> Any:
-        from torchlens_mlx.edit_ops import MLXEditOps
-
-        return MLXEditOps()
-
-    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
-        from torchlens_mlx.edit_ops import attach_module_edits
-
-        return attach_module_edits(model, model_modules(model), rules, ops, fired)
-
-    def runtime_available(self) -> str | None:
-        return None
-
-    def trace_options(self) -> frozenset[str]:
-        return self._OPTIONS
-
-    def refusal_codes(self) -> frozenset[str]:
-        return refusal_codes_for(self, {"foreign_tensor_input"})
-
-    def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
-        if isinstance(model, nn.Module):
-            return True
-        return callable(model) and any(isinstance(v, mx.array) for _p, v in _leaf_paths((args, kwargs), ""))
+    def settle(self, *values: Any) -> None:
+        mx.eval(*values)
 
     def is_tensor(self, value: Any) -> bool:
         return isinstance(value, mx.array)
@@ -360,14 +250,6 @@ class MLXBackend:
         a = mx.array(np.asarray(values))
         return a if like is None else a.astype(like.dtype)
 
-    def payload_codec(self) -> Any:
-        from torchlens_mlx.codec import MLXCodec
-
-        return MLXCodec()
-
-    def realize_once(self, values: Any) -> Any:
-        return values
-
     def resolve_callable(self, qualname: str) -> Any:
         """Saved op callables come back only from the closed table of wrapped framework calls."""
         if qualname.startswith("torchlens_mlx.patch.at_") and qualname.rpartition("at_")[2] in patch.AT_METHODS:
@@ -378,11 +260,6 @@ class MLXBackend:
         if qualname.startswith("mlx.core.array."):
             return patch.array_table().get(qualname.rpartition(".")[2])
         return patch.function_table().get(qualname)
-
-    def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
-        out = model(*args, **kwargs)
-        mx.eval(*[v for _p, v in _leaf_paths(out, "")])
-        return out
 
     def _check_inputs(self, model: Any, args: tuple, kwargs: dict) -> None:
         if not callable(model):
@@ -405,26 +282,16 @@ class MLXBackend:
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
                 replay_rng: bool = True, _edit_plan: Any = None, **options: Any) -> Any:
-        check_requested_capabilities(self, capture, options)
-        if not isinstance(replay_rng, bool):
-            raise InvalidArgumentError("invalid_argument", f"replay_rng= takes a bool, not {type(replay_rng).__name__}",
-                                       remedy="replay_rng=True (MLX draws always record the key they used, so they "
-                                              "always replay)", option="replay_rng")
-        plan = save_plan(save)
+        plan = self.open_capture(capture, options, replay_rng, save)
         self._check_inputs(model, args, kwargs)
-        if patch.ACTIVE.recorder is not None:
-            raise ReentrantTraceError("reentrant_trace", "an MLX capture is already running in this thread",
-                                      remedy="trace outside the forward of another trace")
+        self.refuse_reentrant(patch.ACTIVE.recorder)
         modules = model_modules(model)
         log = EventLog()
-        rec = _Recorder(model, modules, log, _WRAPPER_CODE)
+        rec = _Recorder(modules, log, _WRAPPER_CODE)
         rec.edit_plan = _edit_plan
         is_module = isinstance(model, nn.Module)
         info = ModelInfo(type(model).__name__ if is_module else getattr(model, "__name__", type(model).__name__))
-        parent_of = module_parents(a for a, _m in modules)
-        for addr, m in modules:
-            info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__, parent=parent_of.get(addr),
-                                           training=bool(getattr(m, "training", False))))
+        self.describe_modules(info, modules)
         if is_module:
             trainable = {id(p) for _a, p in _flat_params(model.trainable_parameters())}
             for addr, p in _flat_params(model):
@@ -433,16 +300,9 @@ class MLXBackend:
                 info.params.append(ParamInfo(addr, mod or "self", name, tuple(p.shape), _dtype(p), id(p) in trainable, p))
                 rec.param_addr[id(p)] = addr
                 rec.param_buffer[_buffer_key(p)] = addr
-        for i, a in enumerate(args):
-            for path, leaf in _leaf_paths(a, positional_path(i)):
-                rec.source("input", leaf, path)
-        for k, a in kwargs.items():
-            for path, leaf in _leaf_paths(a, keyword_path(k)):
-                rec.source("input", leaf, path)
-        prov = Provenance("mlx", backend_version=__version__, framework_version=mx.__version__,
-                          model_class=type(model).__name__,
-                          start_time=time.time())
-        start = time.perf_counter()
+        for path, leaf in self.input_leaves(args, kwargs):
+            rec.source("input", leaf, path)
+        prov, start = self.start_provenance(model, mx.__version__)
         patches = patch.Patches(patch.defining_classes([m for _a, m in modules if isinstance(m, nn.Module)]),
                                 _module_call_wrapper)
         out: Any = None
@@ -462,36 +322,9 @@ class MLXBackend:
                 patches.restore()
                 patch.ACTIVE.recorder = None
         except Exception as exc:
-            partial = build_trace(info, log, output_state="output_forward_failed", provenance=prov, backend=self)
-            raise TraceCaptureError("forward_failed", f"the forward raised {type(exc).__name__}: {exc}",
-                                    remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
-                                    partial_trace=partial) from exc
-        for path, leaf in _leaf_paths(out, "output"):
-            src = rec.lookup(leaf)
-            if src is None:  # a parameter returned as is, or a value no wrapper saw
-                src = rec.source("constant", leaf, "constant")
-            i = log.new_id()
-            mx.eval(leaf)
-            log.append(OpEvent(i, "output", "output", parents=(src,) if src else (), outputs=(leaf,),
-                               shapes=(tuple(leaf.shape),), dtypes=(_dtype(leaf),), path=path))
-        prov.duration = time.perf_counter() - start
-        prov.end_time = time.time()
-        trace = build_trace(info, log, output=out, provenance=prov, options=capture, backend=self)
-        if capture is not None and (capture.backward_ready or capture.save_grads):
-            from torchlens_mlx.grads import keep_for_backward
-
-            keep_for_backward(trace, out, save_grads=bool(capture.save_grads), edit_plan=_edit_plan)
-        apply_save(trace, plan)
-        return trace
-
-    def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
-        """Replay every op on its parents' saved values through core's replay engine and
-        compare bit for bit with its saved output."""
-        from torchlens.backends.sdk import replay_validate
-        from torchlens_mlx.edit_ops import MLXEditOps
-
-        gt = None if ground_truth is None else [np.asarray(v) for _p, v in _leaf_paths(ground_truth, "")]
-        return replay_validate(trace, MLXEditOps(), ground_truth=gt)
+            raise self.forward_failed(info, log, prov, exc) from exc
+        rec.record_outputs(self.leaves(out, "output"))  # (every leaf is evaluated: by its op, or as a source)
+        return self.finish_capture(info, log, out, prov, start, capture, plan, edit_plan=_edit_plan)
 
 
 def _flat_params(tree: Any) -> list[tuple[str, Any]]:

@@ -17,41 +17,25 @@ pre/post hooks, and restores every wrapped object and removes every hook in a `f
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import numpy as np
 
 from torchlens.backends.sdk import (
-    ArgRef,
+    BackendBase,
     BackendCapabilities,
     BackendUnsupportedError,
     BufferInfo,
     EventLog,
     InvalidArgumentError,
     ModelInfo,
-    ModuleEnter,
-    ModuleExit,
-    ModuleInfo,
     OpEvent,
     ParamInfo,
-    Provenance,
-    ReentrantTraceError,
-    TraceCaptureError,
-    ValidationStatus,
-    apply_save,
-    build_trace,
+    RecorderBase,
     call_site,
-    check_requested_capabilities,
     foreign_leaf,
-    keyword_path,
-    leaf_paths,
-    module_parents,
-    positional_path,
-    refusal_codes_for,
-    save_plan,
 )
-from torchlens_paddle import __version__, patch
+from torchlens_paddle import patch
 from torchlens_paddle.edit_ops import rng_snapshot
 from torchlens_paddle.plugin import FRAMEWORK
 
@@ -65,14 +49,6 @@ _LAYER_CODES = frozenset({nn.Layer.__call__.__code__, nn.Layer._dygraph_call_fun
 
 def dtype_name(t: Any) -> str:
     return str(t.dtype).replace("paddle.", "")
-
-
-def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    return leaf_paths(obj, path, _is_leaf)
-
-
-def _is_leaf(obj: Any) -> bool:
-    return isinstance(obj, Tensor)
 
 
 def _foreign(obj: Any) -> str | None:
@@ -112,53 +88,24 @@ def rebuild(tree: list, leaves: list[Any]) -> Any:
     return tuple(made) if kind == "tuple" else made
 
 
-class _Recorder:
+class _Recorder(RecorderBase):
     """Turns wrapped calls into `OpEvent`s and module hooks into enter/exit events."""
 
     def __init__(self, modules: list[tuple[str, Any]], log: EventLog) -> None:
-        self.log = log
+        super().__init__(log, modules)
         self.depth = 0
-        self.addr_of = {id(m): a for a, m in modules}
-        self.param_addr: dict[int, str] = {}
         self.buffer_addr: dict[int, str] = {}
-        self.producer: dict[int, tuple[int, int]] = {}
-        self.alive: list[Any] = []  # keeps ids stable during the capture
-        self.stack: list[tuple[str, int]] = []
-        self.calls: dict[str, int] = {}
-        self.edit_plan: Any = None
 
-    def source(self, kind: str, value: Any, path: str) -> tuple[int, int]:
-        i = self.log.new_id()
-        self.log.append(OpEvent(i, kind, kind, outputs=(value,), shapes=(tuple(value.shape),),
-                                dtypes=(dtype_name(value),), path=path,
-                                module_stack=tuple(self.stack) if kind != "input" else ()))
-        self.register(value, (i, 0))
-        return (i, 0)
+    def is_leaf(self, value: Any) -> bool:
+        return isinstance(value, Tensor)
 
-    def register(self, value: Any, src: tuple[int, int]) -> None:
-        self.producer[id(value)] = src
-        self.alive.append(value)
+    def dtype_of(self, value: Any) -> str:
+        return dtype_name(value)
 
-    def _template(self, obj: Any, parents: list, params: list) -> Any:
-        if isinstance(obj, Tensor):
-            addr = self.param_addr.get(id(obj))
-            if addr is not None:
-                if addr not in params:
-                    params.append(addr)
-                return ArgRef(address=addr)
-            src = self.producer.get(id(obj))
-            if src is None:
-                baddr = self.buffer_addr.get(id(obj))
-                src = self.source("buffer", obj, baddr) if baddr else self.source("constant", obj, "constant")
-            parents.append(src)
-            return ArgRef(index=len(parents) - 1)
-        if type(obj) is tuple:
-            return tuple(self._template(o, parents, params) for o in obj)
-        if type(obj) is list:
-            return [self._template(o, parents, params) for o in obj]
-        if type(obj) is dict:
-            return {k: self._template(v, parents, params) for k, v in obj.items()}
-        return obj
+    def unseen(self, value: Any) -> tuple[int, int]:
+        """A tensor argument no event produced: a buffer of the model, else a constant."""
+        baddr = self.buffer_addr.get(id(value))
+        return self.source("buffer", value, baddr) if baddr else self.source("constant", value, "constant")
 
     def call(self, name: str, func: Any, qualname: str, args: tuple, kwargs: dict) -> Any:
         if patch.is_inplace(name) or name in patch.TENSOR_INPLACE:
@@ -195,10 +142,7 @@ class _Recorder:
         self.depth += 1
         try:
             site = call_site(sys._getframe(3), _LAYER_CODES)
-            parents: list[tuple[int, int]] = []
-            params: list[str] = []
-            args_t = self._template(args, parents, params)
-            kwargs_t = self._template(kwargs, parents, params)
+            parents, params, args_t, kwargs_t = self.arguments(args, kwargs)
             i = self.log.new_id()
             if self.edit_plan is not None and i in self.edit_plan:
                 edited = tuple(self.edit_plan.apply(i, outs))
@@ -221,20 +165,6 @@ class _Recorder:
         finally:
             self.depth -= 1
         return out
-
-    # module scopes (forward pre/post hooks) -------------------------------------------------
-    def enter(self, module: Any, inputs: Any) -> None:
-        addr = self.addr_of.get(id(module), f"<unregistered {type(module).__name__}>")
-        n = self.calls.get(addr, 0) + 1
-        self.calls[addr] = n
-        self.stack.append((addr, n))
-        ins = tuple(s for s in (self.producer.get(id(a)) for _p, a in _leaf_paths(inputs, "")) if s is not None)
-        self.log.append(ModuleEnter(addr, n, ins))
-
-    def exit(self, out: Any) -> None:
-        addr, n = self.stack.pop()
-        outs = tuple(s for s in (self.producer.get(id(o)) for _p, o in _leaf_paths(out, "")) if s is not None)
-        self.log.append(ModuleExit(addr, n, outs))
 
 
 class _Hooks:
@@ -285,50 +215,22 @@ def model_modules(model: Any) -> list[tuple[str, Any]]:
     return out
 
 
-class PaddleBackend:
+class PaddleBackend(BackendBase):
     """BackendProtocol implementation for PaddlePaddle (preview, dygraph)."""
 
     name = "paddle"
-    maturity = "preview"
     framework = FRAMEWORK
-    materialization = "eager"
-    _OPTIONS = frozenset({"save", "capture", "replay_rng"})
+    package, edit_ops_name, codec_name = "torchlens_paddle", "PaddleEditOps", "PaddleCodec"
+    CAPABILITIES = BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
+                                       backward_capture=True, rng_replay=True)
+    own_refusals = frozenset({"foreign_tensor_input", "runtime_mode_unsupported", "inplace_op_unsupported",
+                              "runtime_conflict"})
+    module_types = (nn.Layer,)
+    capture_noun = "a paddle capture"
+    replay_rng_note = "random paddle kernels always record the generator state they drew from"
 
-    def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
-                                   backward_capture=True, rng_replay=True)
-
-    def backward(self, trace: Any, loss: Any = None, **kwargs: Any) -> Any:
-        """Fill `op.grads` of every saved op: the gradient of `loss(output)` (a callable of the
-        output; None sums its float leaves), by `paddle.grad` over the recorded ops."""
-        from torchlens_paddle.grads import backward
-
-        return backward(trace, loss, **kwargs)
-
-    def edit_ops(self) -> Any:
-        from torchlens_paddle.edit_ops import PaddleEditOps
-
-        return PaddleEditOps()
-
-    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
-        from torchlens_paddle.edit_ops import attach_module_edits
-
-        return attach_module_edits(model, model_modules(model), rules, ops, fired)
-
-    def runtime_available(self) -> str | None:
-        return None
-
-    def trace_options(self) -> frozenset[str]:
-        return self._OPTIONS
-
-    def refusal_codes(self) -> frozenset[str]:
-        return refusal_codes_for(self, {"foreign_tensor_input", "runtime_mode_unsupported", "inplace_op_unsupported",
-                                        "runtime_conflict"})
-
-    def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
-        if isinstance(model, nn.Layer):
-            return True
-        return callable(model) and any(isinstance(v, Tensor) for _p, v in _leaf_paths((args, kwargs), ""))
+    def module_pairs(self, model: Any) -> list[tuple[str, Any]]:
+        return model_modules(model)
 
     def is_tensor(self, value: Any) -> bool:
         return isinstance(value, Tensor)
@@ -342,20 +244,12 @@ class PaddleBackend:
         a = paddle.to_tensor(np.asarray(values))
         return a if like is None else a.astype(like.dtype)
 
-    def payload_codec(self) -> Any:
-        from torchlens_paddle.codec import PaddleCodec
-
-        return PaddleCodec()
-
-    def realize_once(self, values: Any) -> Any:
-        return values
-
     def resolve_callable(self, qualname: str) -> Any:
         """Saved op callables come back only from the closed table of wrapped framework calls."""
         return patch.resolve(qualname)
 
-    def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
-        return model(*args, **kwargs)
+    def ground_truth_values(self, ground_truth: Any) -> Any:
+        return [self.host_copy(v) for _p, v in self.leaves(ground_truth)]
 
     def _check(self, model: Any, args: tuple, kwargs: dict) -> None:
         if not paddle.in_dynamic_mode():
@@ -371,8 +265,8 @@ class PaddleBackend:
             raise BackendUnsupportedError("foreign_tensor_input", f"an input is a {foreign}, not a paddle.Tensor",
                                           remedy="convert inputs with paddle.to_tensor(...) before tracing with "
                                                  "backend='paddle'", backend="paddle")
-        if isinstance(model, nn.Layer) and not any(isinstance(v, Tensor) for _p, v in _leaf_paths((args, kwargs), "")):
-            kinds = sorted({type(v).__name__ for _p, v in _leaf_paths((args, kwargs), "")}) or ["no input"]
+        if isinstance(model, nn.Layer) and not any(isinstance(v, Tensor) for _p, v in self.leaves((args, kwargs))):
+            kinds = sorted({type(v).__name__ for _p, v in self.leaves((args, kwargs))}) or ["no input"]
             raise InvalidArgumentError("invalid_argument",
                                        f"no input of the call is a paddle.Tensor (got {', '.join(kinds)})",
                                        remedy="convert inputs with paddle.to_tensor(...) before tracing with "
@@ -392,26 +286,16 @@ class PaddleBackend:
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
                 replay_rng: bool = True, _edit_plan: Any = None, **options: Any) -> Any:
-        check_requested_capabilities(self, capture, options)
-        if not isinstance(replay_rng, bool):
-            raise InvalidArgumentError("invalid_argument", f"replay_rng= takes a bool, not {type(replay_rng).__name__}",
-                                       remedy="replay_rng=True (random paddle kernels always record the generator "
-                                              "state they drew from)", option="replay_rng")
-        plan = save_plan(save)
+        plan = self.open_capture(capture, options, replay_rng, save)
         self._check(model, args, kwargs)
-        if patch.ACTIVE.recorder is not None:
-            raise ReentrantTraceError("reentrant_trace", "a paddle capture is already running in this thread",
-                                      remedy="trace outside the forward of another trace")
+        self.refuse_reentrant(patch.ACTIVE.recorder)
         modules = model_modules(model)
         log = EventLog()
         rec = _Recorder(modules, log)
         rec.edit_plan = _edit_plan
         is_layer = isinstance(model, nn.Layer)
         info = ModelInfo(type(model).__name__ if is_layer else getattr(model, "__name__", type(model).__name__))
-        parent_of = module_parents(a for a, _m in modules)
-        for addr, m in modules:
-            info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__, parent=parent_of.get(addr),
-                                           training=bool(getattr(m, "training", False))))
+        self.describe_modules(info, modules)
         if is_layer:
             for addr, p in model.named_parameters():
                 mod, _, name = addr.rpartition(".")
@@ -422,15 +306,9 @@ class PaddleBackend:
                 mod, _, name = addr.rpartition(".")
                 info.buffers.append(BufferInfo(addr, mod or "self", name, tuple(b.shape), dtype_name(b), b))
                 rec.buffer_addr[id(b)] = addr
-        for i, a in enumerate(args):
-            for path, leaf in _leaf_paths(a, positional_path(i)):
-                rec.source("input", leaf, path)
-        for k, a in kwargs.items():
-            for path, leaf in _leaf_paths(a, keyword_path(k)):
-                rec.source("input", leaf, path)
-        prov = Provenance("paddle", backend_version=__version__, framework_version=paddle.__version__,
-                          model_class=type(model).__name__, start_time=time.time())
-        start = time.perf_counter()
+        for path, leaf in self.input_leaves(args, kwargs):
+            rec.source("input", leaf, path)
+        prov, start = self.start_provenance(model, paddle.__version__)
         patches = patch.Patches()
         hooks = _Hooks(rec, [m for _a, m in modules if isinstance(m, nn.Layer)])
         out: Any = None
@@ -452,35 +330,9 @@ class PaddleBackend:
         except BackendUnsupportedError:
             raise  # a typed refusal met during the forward (an in-place op): everything is restored
         except Exception as exc:
-            partial = build_trace(info, log, output_state="output_forward_failed", provenance=prov, backend=self)
-            raise TraceCaptureError("forward_failed", f"the forward raised {type(exc).__name__}: {exc}",
-                                    remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
-                                    partial_trace=partial) from exc
-        for path, leaf in _leaf_paths(out, "output"):
-            src = rec.producer.get(id(leaf))
-            if src is None:  # a parameter returned as is, or a value no wrapper saw
-                src = rec.source("constant", leaf, "constant")
-            i = log.new_id()
-            log.append(OpEvent(i, "output", "output", parents=(src,), outputs=(leaf,),
-                               shapes=(tuple(leaf.shape),), dtypes=(dtype_name(leaf),), path=path))
-        prov.duration = time.perf_counter() - start
-        prov.end_time = time.time()
-        trace = build_trace(info, log, output=out, provenance=prov, options=capture, backend=self)
-        if capture is not None and (capture.backward_ready or capture.save_grads):
-            from torchlens_paddle.grads import keep_for_backward
-
-            keep_for_backward(trace, out, save_grads=bool(capture.save_grads), edit_plan=_edit_plan)
-        apply_save(trace, plan)
-        return trace
-
-    def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
-        """Replay every op on its parents' saved values through core's replay engine and
-        compare bit for bit with its saved output."""
-        from torchlens.backends.sdk import replay_validate
-        from torchlens_paddle.edit_ops import PaddleEditOps
-
-        gt = None if ground_truth is None else [self.host_copy(v) for _p, v in _leaf_paths(ground_truth, "")]
-        return replay_validate(trace, PaddleEditOps(), ground_truth=gt)
+            raise self.forward_failed(info, log, prov, exc) from exc
+        rec.record_outputs(self.leaves(out, "output"))
+        return self.finish_capture(info, log, out, prov, start, capture, plan, edit_plan=_edit_plan)
 
 
 __all__ = ["PaddleBackend", "model_modules"]

@@ -28,7 +28,6 @@ variable read (a constant holding the state the draw saw).
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any
 
 import keras
@@ -37,34 +36,19 @@ import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
 from torchlens.backends.sdk import (
-    ArgRef,
+    BackendBase,
     BackendCapabilities,
     BackendUnsupportedError,
     EventLog,
     InvalidArgumentError,
     ModelInfo,
-    ModuleEnter,
-    ModuleExit,
-    ModuleInfo,
     OpEvent,
     ParamInfo,
-    Provenance,
-    ReentrantTraceError,
-    TraceCaptureError,
-    ValidationStatus,
-    apply_save,
-    build_trace,
+    RecorderBase,
     call_site,
-    check_requested_capabilities,
     foreign_leaf,
-    keyword_path,
-    leaf_paths,
-    module_parents,
-    positional_path,
-    refusal_codes_for,
-    save_plan,
 )
-from torchlens_tf import __version__, ops as raw, patch
+from torchlens_tf import ops as raw, patch
 from torchlens_tf.plugin import FRAMEWORK
 
 _NOT_ARRAYS = (tf.resource, tf.variant)
@@ -78,14 +62,6 @@ _DETERMINISTIC_STATEFUL = frozenset({"CheckNumerics", "CheckNumericsV2", "Guaran
 
 def _is_tensor(v: Any) -> bool:
     return isinstance(v, tf.Tensor) and not isinstance(v, tf.SparseTensor)
-
-
-def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    return leaf_paths(obj, path, _is_leaf)
-
-
-def _is_leaf(obj: Any) -> bool:
-    return _is_tensor(obj)
 
 
 def _foreign(obj: Any) -> str | None:
@@ -122,48 +98,24 @@ def tf_variable(v: Any) -> Any:
     return v if isinstance(v, tf.Variable) else None
 
 
-class _Recorder:
+class _Recorder(RecorderBase):
     """Turns op callbacks into `OpEvent`s and Keras layer calls into enter/exit events."""
 
     def __init__(self, modules: list[tuple[str, Any]], log: EventLog, wrapper_code: Any) -> None:
-        self.log = log
+        super().__init__(log, modules)
         self.busy = False
-        self.addr_of = {id(m): a for a, m in modules}
         self.handle_param: dict[int, str] = {}
         self.written: list[str] = []  # model variables the forward wrote into
-        self.param_addr: dict[int, str] = {}
-        self.producer: dict[int, tuple[int, int]] = {}
-        self.alive: list[Any] = []  # keeps ids stable during the capture
-        self.stack: list[tuple[str, int]] = []
-        self.objs: list[Any] = []
-        self.calls: dict[str, int] = {}
         self.wrapper_code = wrapper_code
 
-    def source(self, kind: str, value: Any, path: str) -> tuple[int, int]:
-        i = self.log.new_id()
-        self.log.append(OpEvent(i, kind, kind, outputs=(value,), shapes=(_shape(value),), dtypes=(_dtype(value),),
-                                path=path, module_stack=tuple(self.stack) if kind == "constant" else ()))
-        self.register(value, (i, 0))
-        return (i, 0)
+    def is_leaf(self, value: Any) -> bool:
+        return _is_tensor(value)
 
-    def register(self, value: Any, src: tuple[int, int]) -> None:
-        self.producer[id(value)] = src
-        self.alive.append(value)
+    def dtype_of(self, value: Any) -> str:
+        return _dtype(value)
 
-    def lookup(self, value: Any) -> tuple[int, int] | None:
-        return self.producer.get(id(value))
-
-    def _template(self, t: Any, parents: list, params: list) -> Any:
-        addr = self.param_addr.get(id(t))
-        if addr is not None:
-            if addr not in params:
-                params.append(addr)
-            return ArgRef(address=addr)
-        src = self.lookup(t)
-        if src is None:
-            src = self.source("constant", t, "constant")
-        parents.append(src)
-        return ArgRef(index=len(parents) - 1)
+    def shape_of(self, value: Any) -> tuple[int, ...]:
+        return _shape(value)
 
     # the op callback --------------------------------------------------------------------------
     def on_op(self, op_type: Any, inputs: tuple, attrs: tuple, outputs: Any) -> None:
@@ -201,7 +153,7 @@ class _Recorder:
             site = call_site(sys._getframe(2), self.wrapper_code, 48)
             parents: list[tuple[int, int]] = []
             params: list[str] = []
-            args_t = tuple(self._template(t, parents, params) for t in inputs)
+            args_t = tuple(self.template(t, parents, params) for t in inputs)
             i = self.log.new_id()
             self.log.append(OpEvent(
                 i, "op", raw.snake(name), parents=tuple(parents), outputs=outs,
@@ -213,22 +165,6 @@ class _Recorder:
                 self.register(o, (i, slot))
         finally:
             self.busy = False
-
-    # module scopes ------------------------------------------------------------------------------
-    def enter(self, module: Any, args: tuple, kwargs: dict) -> None:
-        addr = self.addr_of[id(module)]
-        n = self.calls.get(addr, 0) + 1
-        self.calls[addr] = n
-        self.stack.append((addr, n))
-        self.objs.append(module)
-        ins = tuple(s for s in (self.lookup(a) for _p, a in _leaf_paths((args, kwargs), "")) if s is not None)
-        self.log.append(ModuleEnter(addr, n, ins))
-
-    def exit(self, out: Any) -> None:
-        addr, n = self.stack.pop()
-        self.objs.pop()
-        outs = tuple(s for s in (self.lookup(o) for _p, o in _leaf_paths(out, "")) if s is not None)
-        self.log.append(ModuleExit(addr, n, outs))
 
 
 def _callback(op_type: Any, inputs: tuple, attrs: tuple, outputs: Any, op_name: Any = None, graph: Any = None) -> None:
@@ -318,51 +254,26 @@ def _own_variables(layer: Any) -> list[tuple[str, Any, bool]]:
     return []
 
 
-class TFBackend:
+class TFBackend(BackendBase):
     """BackendProtocol implementation for TensorFlow / Keras 3 (preview)."""
 
     name = "tf"
-    maturity = "preview"
     framework = FRAMEWORK
-    materialization = "eager"
-    _OPTIONS = frozenset({"save", "capture", "replay_rng"})
+    package, edit_ops_name, codec_name = "torchlens_tf", "TFEditOps", "TFCodec"
+    # rng_replay: the draws a capture records are stateless (the seed is an input), so they
+    # replay exactly; stateful draws refuse the capture (module docstring)
+    CAPABILITIES = BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
+                                       backward_capture=True, rng_replay=True)
+    own_refusals = frozenset({"foreign_tensor_input", "unwrapped_op_in_capture", "tf_stateful_op_unsupported"})
+    module_types = (keras.layers.Layer, tf.Module)
+    capture_noun = "a TensorFlow capture"
+    replay_rng_note = "recorded draws are stateless, so they always replay"
 
-    def capabilities(self) -> BackendCapabilities:
-        # rng_replay: the draws a capture records are stateless (the seed is an input), so they
-        # replay exactly; stateful draws refuse the capture (module docstring)
-        return BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
-                                   backward_capture=True, rng_replay=True)
+    def module_pairs(self, model: Any) -> list[tuple[str, Any]]:
+        return model_modules(model)
 
-    def backward(self, trace: Any, loss: Any = None, **kwargs: Any) -> Any:
-        """Fill `op.grads` of every saved op: the gradient of `loss(output)` (a callable of the
-        output; None sums its float leaves), by `tf.GradientTape` over the recorded ops."""
-        from torchlens_tf.grads import backward
-
-        return backward(trace, loss, **kwargs)
-
-    def edit_ops(self) -> Any:
-        from torchlens_tf.edit_ops import TFEditOps
-
-        return TFEditOps()
-
-    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
-        from torchlens_tf.edit_ops import attach_module_edits
-
-        return attach_module_edits(model, model_modules(model), rules, ops, fired)
-
-    def runtime_available(self) -> str | None:
-        return None
-
-    def trace_options(self) -> frozenset[str]:
-        return self._OPTIONS
-
-    def refusal_codes(self) -> frozenset[str]:
-        return refusal_codes_for(self, {"foreign_tensor_input", "unwrapped_op_in_capture", "tf_stateful_op_unsupported"})
-
-    def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
-        if isinstance(model, (keras.layers.Layer, tf.Module)):
-            return True
-        return callable(model) and any(_is_tensor(v) for _p, v in _leaf_paths((args, kwargs), ""))
+    def module_training(self, module: Any) -> bool:
+        return False
 
     def is_tensor(self, value: Any) -> bool:
         return _is_tensor(value)
@@ -374,22 +285,11 @@ class TFBackend:
         a = tf.constant(np.asarray(values))
         return a if like is None else tf.cast(a, like.dtype) if a.dtype != like.dtype else a
 
-    def payload_codec(self) -> Any:
-        from torchlens_tf.codec import TFCodec
-
-        return TFCodec()
-
-    def realize_once(self, values: Any) -> Any:
-        return values
-
     def resolve_callable(self, qualname: str) -> Any:
         """Saved op callables come back only from the closed table of TensorFlow op types."""
         if qualname.startswith("raw_op."):
             return raw.raw_op(qualname[len("raw_op."):])
         return None
-
-    def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
-        return model(*args, **kwargs)
 
     def _check_inputs(self, model: Any, args: tuple, kwargs: dict) -> None:
         mod = type(model).__module__.split(".")[0]
@@ -414,7 +314,7 @@ class TFBackend:
                                        remedy="pass concrete dense tensors: tf.convert_to_tensor(variable), "
                                               "sparse.to_dense() / ragged.to_tensor(); call a model on values, not on "
                                               "keras.Input placeholders", backend="tf", input_type=odd)
-        if not _leaf_paths((args, kwargs), ""):
+        if not self.leaves((args, kwargs)):
             raise InvalidArgumentError("invalid_argument", "no input of the call is a tf.Tensor",
                                        remedy="pass the model's inputs as tf.Tensor values (tf.constant(...)): an input "
                                               "the backend cannot see would be recorded as a constant, not an input",
@@ -436,26 +336,16 @@ class TFBackend:
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
                 replay_rng: bool = True, **options: Any) -> Any:
-        check_requested_capabilities(self, capture, options)
-        if not isinstance(replay_rng, bool):
-            raise InvalidArgumentError("invalid_argument", f"replay_rng= takes a bool, not {type(replay_rng).__name__}",
-                                       remedy="replay_rng=True (recorded draws are stateless, so they always replay)",
-                                       option="replay_rng")
-        plan = save_plan(save)
+        plan = self.open_capture(capture, options, replay_rng, save)
         self._check_inputs(model, args, kwargs)
-        if patch.ACTIVE.recorder is not None:
-            raise ReentrantTraceError("reentrant_trace", "a TensorFlow capture is already running in this thread",
-                                      remedy="trace outside the forward of another trace")
+        self.refuse_reentrant(patch.ACTIVE.recorder)
         modules = model_modules(model)
         log = EventLog()
         rec = _Recorder(modules, log, _WRAPPER_CODE)
         is_layer = isinstance(model, keras.layers.Layer)
         info = ModelInfo(type(model).__name__ if is_layer or isinstance(model, tf.Module)
                          else getattr(model, "__name__", type(model).__name__))
-        parent_of = module_parents(a for a, _m in modules)
-        for addr, m in modules:
-            info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__, parent=parent_of.get(addr),
-                                           training=False))
+        self.describe_modules(info, modules)
         seen_vars: set[int] = set()
         taken: set[str] = set()
         for addr, m in modules:
@@ -474,15 +364,9 @@ class TFBackend:
                 info.params.append(ParamInfo(paddr, addr, pname, _shape(value), _dtype(value), bool(trainable), value))
                 rec.handle_param[id(tv.handle)] = paddr
                 rec.alive.append(tv.handle)
-        for i, a in enumerate(args):
-            for path, leaf in _leaf_paths(a, positional_path(i)):
-                rec.source("input", leaf, path)
-        for k, a in kwargs.items():
-            for path, leaf in _leaf_paths(a, keyword_path(k)):
-                rec.source("input", leaf, path)
-        prov = Provenance("tf", backend_version=__version__, framework_version=tf.__version__,
-                          model_class=type(model).__name__, start_time=time.time())
-        start = time.perf_counter()
+        for path, leaf in self.input_leaves(args, kwargs):
+            rec.source("input", leaf, path)
+        prov, start = self.start_provenance(model, tf.__version__)
         layers = [m for _a, m in modules if isinstance(m, keras.layers.Layer)]
         patches = patch.Patches(patch.defining_classes(layers), _module_call_wrapper, _callback)
         out: Any = None
@@ -493,11 +377,7 @@ class TFBackend:
                 if is_layer:
                     out = model(*args, **kwargs)
                 else:
-                    rec.stack.append(("self", 1))
-                    rec.objs.append(model)
-                    rec.calls["self"] = 1
-                    log.append(ModuleEnter("self", 1, tuple(s for s in (rec.lookup(a) for _p, a in
-                                                                         _leaf_paths((args, kwargs), "")) if s)))
+                    rec.enter(model, args, kwargs)
                     out = model(*args, **kwargs)
                     rec.exit(out)
             finally:
@@ -506,35 +386,9 @@ class TFBackend:
         except BackendUnsupportedError:
             raise
         except Exception as exc:
-            partial = build_trace(info, log, output_state="output_forward_failed", provenance=prov, backend=self)
-            raise TraceCaptureError("forward_failed", f"the forward raised {type(exc).__name__}: {exc}",
-                                    remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
-                                    partial_trace=partial) from exc
-        for path, leaf in _leaf_paths(out, "output"):
-            src = rec.lookup(leaf)
-            if src is None:  # a parameter or input returned as is, or a value no op produced
-                src = rec.source("constant", leaf, "constant")
-            i = log.new_id()
-            log.append(OpEvent(i, "output", "output", parents=(src,), outputs=(leaf,), shapes=(_shape(leaf),),
-                               dtypes=(_dtype(leaf),), path=path))
-        prov.duration = time.perf_counter() - start
-        prov.end_time = time.time()
-        trace = build_trace(info, log, output=out, provenance=prov, options=capture, backend=self)
-        if capture is not None and (capture.backward_ready or capture.save_grads):
-            from torchlens_tf.grads import keep_for_backward
-
-            keep_for_backward(trace, out, save_grads=bool(capture.save_grads))
-        apply_save(trace, plan)
-        return trace
-
-    def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
-        """Replay every op on its parents' saved values through core's replay engine and
-        compare bit for bit with its saved output."""
-        from torchlens.backends.sdk import replay_validate
-        from torchlens_tf.edit_ops import TFEditOps
-
-        gt = None if ground_truth is None else [np.asarray(v) for _p, v in _leaf_paths(ground_truth, "")]
-        return replay_validate(trace, TFEditOps(), ground_truth=gt)
+            raise self.forward_failed(info, log, prov, exc) from exc
+        rec.record_outputs(self.leaves(out, "output"))
+        return self.finish_capture(info, log, out, prov, start, capture, plan)
 
 
 __all__ = ["TFBackend", "model_modules"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 import types
 from typing import Any
 
@@ -38,33 +37,19 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 
 from torchlens.backends.sdk import (
-    ArgRef,
+    BackendBase,
     BackendCapabilities,
     BackendUnsupportedError,
     EventLog,
     InvalidArgumentError,
     ModelInfo,
-    ModuleEnter,
-    ModuleExit,
-    ModuleInfo,
     OpEvent,
     ParamInfo,
-    Provenance,
-    ReentrantTraceError,
-    TraceCaptureError,
-    ValidationStatus,
-    apply_save,
-    build_trace,
+    RecorderBase,
     call_site,
-    check_requested_capabilities,
     foreign_leaf,
-    keyword_path,
-    leaf_paths,
-    positional_path,
-    refusal_codes_for,
-    save_plan,
 )
-from torchlens_tinygrad import __version__, patch
+from torchlens_tinygrad import patch
 from torchlens_tinygrad.plugin import FRAMEWORK
 
 #: the framework's own members, bound at import (before any capture wraps them), for the
@@ -109,14 +94,6 @@ def rng_state(state: Any) -> Any:
         yield
     finally:
         Tensor._seed, Tensor._device_seeds, Tensor._device_rng_counters = live
-
-
-def _leaf_paths(obj: Any, path: str) -> list[tuple[str, Any]]:
-    return leaf_paths(obj, path, _is_leaf)
-
-
-def _is_leaf(obj: Any) -> bool:
-    return isinstance(obj, Tensor)
 
 
 _FOREIGN_ROOTS = ("torch", "jax", "jaxlib", "tensorflow", "mlx", "paddle", "keras")
@@ -207,40 +184,26 @@ def _shape(t: Any) -> tuple:
     return tuple(int(s) for s in t.shape)
 
 
-class _Recorder:
+class _Recorder(RecorderBase):
     """Turns wrapped calls into `OpEvent`s and module calls into enter/exit events."""
 
     def __init__(self, modules: list[tuple[str, Any, str | None]], log: EventLog, wrapper_code: Any) -> None:
-        self.log = log
-        self.addr_of = {id(m): a for a, m, _p in modules}
-        self.param_addr: dict[int, str] = {}
+        super().__init__(log, [(a, m) for a, m, _p in modules])
         self.inputs: set[int] = set()
-        self.producer: dict[int, tuple[int, int]] = {}
-        self.events_by_id: dict[int, Any] = {}
-        self.alive: list[Any] = []  # keeps ids stable during the capture
-        self.stack: list[tuple[str, int]] = []
-        self.objs: list[Any] = []
-        self.calls: dict[str, int] = {}
-        self.edit_plan: Any = None
         self.refusal: Exception | None = None
         self.wrapper_code = wrapper_code
 
-    # sources ------------------------------------------------------------------------------
-    def source(self, kind: str, value: Any, path: str) -> tuple[int, int]:
-        i = self.log.new_id()
+    def is_leaf(self, value: Any) -> bool:
+        return isinstance(value, Tensor)
+
+    def dtype_of(self, value: Any) -> str:
+        return _dtype(value)
+
+    def shape_of(self, value: Any) -> tuple:
+        return _shape(value)
+
+    def settle(self, value: Any) -> None:
         realize(value)
-        self._append(OpEvent(i, kind, kind, outputs=(value,), shapes=(_shape(value),), dtypes=(_dtype(value),),
-                             path=path, module_stack=tuple(self.stack) if kind == "constant" else ()))
-        self.register(value, (i, 0))
-        return (i, 0)
-
-    def register(self, value: Any, src: tuple[int, int]) -> None:
-        self.producer[id(value)] = src
-        self.alive.append(value)
-
-    def _append(self, ev: Any) -> None:
-        self.events_by_id[ev.id] = ev
-        self.log.append(ev)
 
     def protect(self, value: Any) -> None:
         """Before an in-place write into `value`, the event that produced it gets a snapshot
@@ -277,7 +240,7 @@ class _Recorder:
                         f"in place ({name})",
                         remedy="write into a copy (x = x.clone(); x[...] = v) or return the new value instead",
                         backend="tinygrad", method=name))
-                self._template((args, kwargs), [], [])
+                self.template((args, kwargs), [], [])
                 self.protect(target)
             if random:
                 return rng_snapshot()
@@ -285,53 +248,24 @@ class _Recorder:
         finally:
             patch.ACTIVE.depth -= 1
 
-    def _template(self, obj: Any, parents: list, params: list) -> Any:
-        if isinstance(obj, Tensor):
-            addr = self.param_addr.get(id(obj))
-            if addr is not None:
-                if addr not in params:
-                    params.append(addr)
-                return ArgRef(address=addr)
-            src = self.producer.get(id(obj))
-            if src is None:
-                src = self.source("constant", obj, "constant")
-            parents.append(src)
-            return ArgRef(index=len(parents) - 1)
-        if type(obj) is tuple:
-            return tuple(self._template(o, parents, params) for o in obj)
-        if type(obj) is list:
-            return [self._template(o, parents, params) for o in obj]
-        if type(obj) is dict:
-            return {k: self._template(v, parents, params) for k, v in obj.items()}
-        return obj
-
     def record(self, name: str, func: Any, qualname: str, args: tuple, kwargs: dict, out: Any, rng: Any,
                inplace: bool = False) -> Any:
         value: Any = args[0] if inplace and (out is None or out is args[0]) else out
-        if isinstance(value, Tensor):
-            outs, multi = (value,), False
-        elif isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
-            outs, multi = tuple(value), True
-        else:
+        split = self.split_outputs(value)
+        if split is None:
             return out  # not a tensor-producing call
+        outs, multi = split
         patch.ACTIVE.depth += 1
         try:
             site = call_site(sys._getframe(2), self.wrapper_code)
-            parents: list[tuple[int, int]] = []
-            params: list[str] = []
-            args_t = self._template(args, parents, params)
-            kwargs_t = self._template(kwargs, parents, params)
+            parents, params, args_t, kwargs_t = self.arguments(args, kwargs)
             i = self.log.new_id()
-            if self.edit_plan is not None and i in self.edit_plan:
-                edited = tuple(self.edit_plan.apply(i, outs))
-                if not inplace:
-                    outs = edited
-                    out = edited[0] if not multi else type(value)(edited)
+            outs, out = self.apply_edits(i, outs, out, multi, inplace)
             realize(*outs)
             meta: dict[str, Any] = {"qualname": qualname}
             if rng is not None:
                 meta["rng_state"] = rng
-            self._append(OpEvent(
+            self.append(OpEvent(
                 i, "op", name, parents=tuple(parents), outputs=tuple(outs),
                 shapes=tuple(_shape(o) for o in outs), dtypes=tuple(_dtype(o) for o in outs),
                 module_stack=tuple(self.stack), site=(qualname, site), params=tuple(params), multi_output=multi,
@@ -341,22 +275,6 @@ class _Recorder:
         finally:
             patch.ACTIVE.depth -= 1
         return out
-
-    # module scopes --------------------------------------------------------------------------
-    def enter(self, module: Any, args: tuple, kwargs: dict) -> None:
-        addr = self.addr_of.get(id(module), f"<unregistered {type(module).__name__}>")
-        n = self.calls.get(addr, 0) + 1
-        self.calls[addr] = n
-        self.stack.append((addr, n))
-        self.objs.append(module)
-        ins = tuple(s for s in (self.producer.get(id(a)) for _p, a in _leaf_paths((args, kwargs), "")) if s is not None)
-        self.log.append(ModuleEnter(addr, n, ins))
-
-    def exit(self, out: Any) -> None:
-        addr, n = self.stack.pop()
-        self.objs.pop()
-        outs = tuple(s for s in (self.producer.get(id(o)) for _p, o in _leaf_paths(out, "")) if s is not None)
-        self.log.append(ModuleExit(addr, n, outs))
 
 
 def _module_call_wrapper(original: Any) -> Any:
@@ -397,49 +315,31 @@ def _framework_version() -> str:
         return "unknown"
 
 
-class TinygradBackend:
+class TinygradBackend(BackendBase):
     """BackendProtocol implementation for tinygrad (preview)."""
 
     name = "tinygrad"
-    maturity = "preview"
     framework = FRAMEWORK
     materialization = "lazy"
-    _OPTIONS = frozenset({"save", "capture", "replay_rng"})
+    package, edit_ops_name, codec_name = "torchlens_tinygrad", "TinygradEditOps", "TinygradCodec"
+    CAPABILITIES = BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
+                                       backward_capture=True, rng_replay=True)
+    own_refusals = frozenset({"foreign_tensor_input", "tinygrad_input_required", "tensor_output_required",
+                              "input_mutation_unsupported", "mid_capture_execution_unsupported"})
+    capture_noun = "a tinygrad capture"
+    replay_rng_note = "tinygrad draws always record the RNG state they used"
 
-    def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(validation_replay=True, payload_materialization=True, interventions=True,
-                                   backward_capture=True, rng_replay=True)
+    def module_pairs(self, model: Any) -> list[tuple[str, Any]]:
+        return [(a, m) for a, m, _p in model_tree(model)[0]]
 
-    def backward(self, trace: Any, loss: Any = None, **kwargs: Any) -> Any:
-        """Fill `op.grads` of every saved op: the gradient of `loss(output)` (a callable of the
-        output; None sums its float leaves), by tinygrad's autodiff over the replayed ops."""
-        from torchlens_tinygrad.grads import backward
+    def module_training(self, module: Any) -> bool:
+        return False
 
-        return backward(trace, loss, **kwargs)
-
-    def edit_ops(self) -> Any:
-        from torchlens_tinygrad.edit_ops import TinygradEditOps
-
-        return TinygradEditOps()
-
-    def attach_module_edits(self, model: Any, rules: list, ops: Any, fired: dict) -> Any:
-        from torchlens_tinygrad.edit_ops import attach_module_edits
-
-        modules = [(a, m) for a, m, _p in model_tree(model)[0]]
-        return attach_module_edits(model, modules, rules, ops, fired)
-
-    def runtime_available(self) -> str | None:
-        return None
-
-    def trace_options(self) -> frozenset[str]:
-        return self._OPTIONS
-
-    def refusal_codes(self) -> frozenset[str]:
-        return refusal_codes_for(self, {"foreign_tensor_input", "tinygrad_input_required", "tensor_output_required",
-                                        "input_mutation_unsupported", "mid_capture_execution_unsupported"})
+    def settle(self, *values: Any) -> None:
+        realize(*values)
 
     def can_handle(self, model: Any, args: tuple, kwargs: dict) -> bool:
-        if any(isinstance(v, Tensor) for _p, v in _leaf_paths((args, kwargs), "")):
+        if any(isinstance(v, Tensor) for _p, v in self.leaves((args, kwargs))):
             return callable(model)
         return callable(model) and bool(model_tree(model)[1])
 
@@ -455,22 +355,12 @@ class TinygradBackend:
         realize(t)
         return t
 
-    def payload_codec(self) -> Any:
-        from torchlens_tinygrad.codec import TinygradCodec
-
-        return TinygradCodec()
-
-    def realize_once(self, values: Any) -> Any:
-        return values
-
     def resolve_callable(self, qualname: str) -> Any:
         """Saved op callables come back only from the closed table of wrapped Tensor members."""
         return patch.replay_table().get(qualname)
 
-    def reference_output(self, model: Any, args: tuple, kwargs: dict) -> Any:
-        out = model(*args, **kwargs)
-        realize(*[v for _p, v in _leaf_paths(out, "")])
-        return out
+    def ground_truth_values(self, ground_truth: Any) -> Any:
+        return [self.host_copy(v) for _p, v in self.leaves(ground_truth)] or None
 
     def _check_inputs(self, model: Any, args: tuple, kwargs: dict) -> list:
         if not callable(model) or isinstance(model, Tensor):
@@ -482,7 +372,7 @@ class TinygradBackend:
             raise BackendUnsupportedError("foreign_tensor_input", f"an input is a {foreign}, not a tinygrad Tensor",
                                           remedy="convert inputs with Tensor(...) before tracing with backend='tinygrad'",
                                           backend="tinygrad")
-        if not any(isinstance(v, Tensor) for _p, v in _leaf_paths(args, "")):
+        if not any(isinstance(v, Tensor) for _p, v in self.leaves(args)):
             raise BackendUnsupportedError("tinygrad_input_required",
                                           f"no positional input is a tinygrad Tensor (got "
                                           f"{', '.join(type(a).__name__ for a in args) or 'no positional input'})",
@@ -500,41 +390,25 @@ class TinygradBackend:
 
     def capture(self, model: Any, args: tuple, kwargs: dict, save: Any = "all", capture: Any = None,
                 replay_rng: bool = True, _edit_plan: Any = None, **options: Any) -> Any:
-        check_requested_capabilities(self, capture, options)
-        if not isinstance(replay_rng, bool):
-            raise InvalidArgumentError("invalid_argument", f"replay_rng= takes a bool, not {type(replay_rng).__name__}",
-                                       remedy="replay_rng=True (tinygrad draws always record the RNG state they used)",
-                                       option="replay_rng")
-        plan = save_plan(save)
+        plan = self.open_capture(capture, options, replay_rng, save)
         modules, tensors, _leaves = self._check_inputs(model, args, kwargs)
-        if patch.ACTIVE.recorder is not None:
-            raise ReentrantTraceError("reentrant_trace", "a tinygrad capture is already running in this thread",
-                                      remedy="trace outside the forward of another trace")
+        self.refuse_reentrant(patch.ACTIVE.recorder)
         log = EventLog()
         rec = _Recorder(modules, log, _WRAPPER_CODE)
         rec.edit_plan = _edit_plan
         is_function = isinstance(model, (types.FunctionType, types.MethodType, types.BuiltinFunctionType))
         info = ModelInfo(getattr(model, "__name__", type(model).__name__) if is_function else type(model).__name__)
-        for addr, m, parent in modules:
-            info.modules.append(ModuleInfo(addr, type(m).__name__, type(m).__qualname__, parent=parent, training=False))
+        self.describe_modules(info, [(a, m) for a, m, _p in modules], parents={a: p for a, _m, p in modules})
         realize(*[t for _a, _o, t in tensors])
         for addr, owner, t in tensors:
             name = addr if owner == "self" else addr[len(owner) + 1:]
             info.params.append(ParamInfo(addr, owner, name, _shape(t), _dtype(t), dtypes.is_float(t.dtype), t))
             rec.param_addr[id(t)] = addr
-        for i, a in enumerate(args):
-            for path, leaf in _leaf_paths(a, positional_path(i)):
-                if id(leaf) not in rec.param_addr:
-                    rec.source("input", leaf, path)
-                    rec.inputs.add(id(leaf))
-        for k, a in kwargs.items():
-            for path, leaf in _leaf_paths(a, keyword_path(k)):
-                if id(leaf) not in rec.param_addr:
-                    rec.source("input", leaf, path)
-                    rec.inputs.add(id(leaf))
-        prov = Provenance("tinygrad", backend_version=__version__, framework_version=_framework_version(),
-                          model_class=type(model).__name__, start_time=time.time())
-        start = time.perf_counter()
+        for path, leaf in self.input_leaves(args, kwargs):
+            if id(leaf) not in rec.param_addr:
+                rec.source("input", leaf, path)
+                rec.inputs.add(id(leaf))
+        prov, start = self.start_provenance(model, _framework_version())
         patches = patch.Patches(patch.defining_classes([m for a, m, _p in modules if a != "self" or not is_function]),
                                 _module_call_wrapper, jit_guard=_jit_guard)
         out: Any = None
@@ -556,39 +430,12 @@ class TinygradBackend:
         except Exception as exc:
             if rec.refusal is not None:
                 raise rec.refusal from None
-            partial = build_trace(info, log, output_state="output_forward_failed", provenance=prov, backend=self)
-            raise TraceCaptureError("forward_failed", f"the forward raised {type(exc).__name__}: {exc}",
-                                    remedy="fix the forward; exc.partial_trace holds the ops recorded before the failure",
-                                    partial_trace=partial) from exc
-        leaves = _leaf_paths(out, "output")
+            raise self.forward_failed(info, log, prov, exc) from exc
+        leaves = self.leaves(out, "output")
         if not leaves:
             raise BackendUnsupportedError("tensor_output_required",
                                           f"the forward returned {type(out).__name__}, which holds no tinygrad Tensor",
                                           remedy="return the Tensor (or a tuple, list or dict of Tensors) the model computes",
                                           backend="tinygrad")
-        for path, leaf in leaves:
-            src = rec.producer.get(id(leaf))
-            if src is None:  # a parameter returned as is
-                src = rec.source("constant", leaf, "constant")
-            i = log.new_id()
-            log.append(OpEvent(i, "output", "output", parents=(src,), outputs=(leaf,),
-                               shapes=(_shape(leaf),), dtypes=(_dtype(leaf),), path=path))
-        prov.duration = time.perf_counter() - start
-        prov.end_time = time.time()
-        trace = build_trace(info, log, output=out, provenance=prov, options=capture, backend=self)
-        if capture is not None and (capture.backward_ready or capture.save_grads):
-            from torchlens_tinygrad.grads import keep_for_backward
-
-            keep_for_backward(trace, out, save_grads=bool(capture.save_grads), edit_plan=_edit_plan)
-        apply_save(trace, plan)
-        return trace
-
-    def validate(self, trace: Any, ground_truth: Any = None) -> ValidationStatus:
-        """Replay every op on its parents' saved values through core's replay engine and
-        compare bit for bit with its saved output."""
-        from torchlens.backends.sdk import replay_validate
-        from torchlens_tinygrad.edit_ops import TinygradEditOps
-
-        gt = None if ground_truth is None else [host(v) if isinstance(v, Tensor) else np.asarray(v)
-                                                 for _p, v in _leaf_paths(ground_truth, "")] or None
-        return replay_validate(trace, TinygradEditOps(), ground_truth=gt)
+        rec.record_outputs(leaves)
+        return self.finish_capture(info, log, out, prov, start, capture, plan, edit_plan=_edit_plan)

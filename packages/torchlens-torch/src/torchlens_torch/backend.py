@@ -350,9 +350,24 @@ class _Capture:
                                           remedy="trace the eager (un-scripted) module instead", modules=scripted)
         grad_store: dict | None = {} if opts.save_grads else None
         budget = opts.save_budget if isinstance(opts.save_budget, int) else None
-        rec = Recorder(desc, save_payloads=self.plan.kind != "none", save_fn=_make_save_fn(opts), grad_store=grad_store,
+        from torchlens.backends.sdk import take_stats_fold
+
+        # save="stats" (issue 23): every save folds the out into its 16-slot summary as the op runs
+        # (torchlens_torch.stats_fold); no copy-on-write reference keeps an out alive
+        stats_fold = self.plan.kind == "all" and take_stats_fold()
+        if stats_fold:
+            from torchlens_torch.stats_fold import new_fold
+
+            save_fn = new_fold()
+        else:
+            save_fn = _make_save_fn(opts)
+        rec = Recorder(desc, save_payloads=self.plan.kind != "none", save_fn=save_fn, grad_store=grad_store,
                        check_nonfinite=None if opts.on_nonfinite == "ignore" else opts.on_nonfinite,
-                       cow_ref=_make_cow_ref(opts), budget=budget)
+                       cow_ref=None if stats_fold else _make_cow_ref(opts), budget=budget)
+        if stats_fold:  # nor does the keep list: a freed out's tag is dropped instead
+            from torchlens_torch.stats_fold import WeakKeep
+
+            rec.keep = WeakKeep(rec.tags)
         rec.edit_plan = self.edit_plan
         leaves: list = []
         for name, a in zip(pos_names, self.args):
@@ -397,7 +412,8 @@ class _Capture:
         trace = build_trace(desc.info, rec.log, output=output, provenance=provenance, options=options,
                             backend=self.backend)
         _output_names.store(trace, getattr(self, "_output_names", None))
-        _module_attributes.snapshot(trace, desc.modules)  # module.custom_attributes (facets)
+        # module.custom_attributes (facets); the state snapshot lets unchanged modules reuse their last record
+        _module_attributes.snapshot(trace, desc.modules, getattr(self, "_state", None))
         trace.cost.forward_duration = forward_duration
         for addr, m in desc.modules:
             rec_m = trace._modules.get(addr)
@@ -406,6 +422,8 @@ class _Capture:
         if self.plan.kind == "select":
             apply_save(trace, self.plan)
         trace.backend_state = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
+        # trace.autograd.grad_fns (issue 25, helper B): walk the output's grad_fn graph once, after the forward
+        __import__("torchlens_torch.autograd_records").autograd_records.record_grad_fns(trace, rec, output)
         if isinstance(getattr(self, "_tally", None), SavedTensorTally):
             stamp_autograd_memory(trace, self._tally, attached=not opts.detach_saved_activations)
             provenance.extra["records_autograd_memory"] = True
@@ -439,7 +457,7 @@ class _Capture:
         place, the random streams, the MHA fast-path flag and torch's global hook tables."""
         opts = self.opts
         rng = RngSnapshot()
-        state = ModelStateSnapshot(desc.modules)  # restored unless carry_state; read for attribute_writes
+        state = self._state = ModelStateSnapshot(desc.modules)  # restored unless carry_state; read for attribute_writes
         guard = ParamWriteGuard(desc.modules, desc.param_address, copy=not opts.carry_state)
         rec.param_guard = guard
         rec.params_written = guard.written
@@ -476,7 +494,7 @@ class _Capture:
                     seen: set = set()
                     if failure is None:
                         rec.flush_reachable(output, 0, seen)
-                    rec.flush_modules(desc.modules, seen)  # attributes, parameters, buffers
+                    rec.flush_modules(desc.modules, seen, state.reach_plan())  # attributes, parameters, buffers
                 if failure is None and rec.budget_error is None:
                     rec.add_outputs(list(iter_leaves(output, "output")))
             finally:

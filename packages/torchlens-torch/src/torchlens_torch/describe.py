@@ -4,10 +4,18 @@ identity maps the per-op handler uses (module, parameter and buffer objects by `
 Module-held plain tensors (a tensor attribute, a list/tuple item or a dict value, up to
 four container levels, and public tensor attributes of plain objects a module holds) are
 buffers too (spec: Parameter / Buffer, "Module-held tensors").
+
+A repeated capture of an unchanged model reuses the walk (`describe_model`'s cache, per root
+module, holding only weak references): a fingerprint of every described module's class,
+training flag, submodule / parameter / buffer registrations (by identity, with each tensor's
+shape, dtype, device and requires_grad) and tensor attributes is compared first. A model
+whose modules hold containers or other objects (which can change in place), or whose classes
+override `named_modules`, is walked afresh at every capture (remembered as such while it lives).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +50,155 @@ def _escape_key(key: Any) -> str:
 
 
 def describe_model(root: nn.Module) -> ModelDescription:
+    """The description of `root` and its identity maps: rebuilt from the cached walk when the
+    model's fingerprint (see `_fingerprint`) is what it was, walked afresh otherwise."""
+    entry = _CACHE.get(id(root))
+    if entry is not None and entry.live and entry.root() is root:
+        if entry.fingerprint is None:  # seen before holding what can change in place: walk afresh
+            return _describe(root)
+        mods = [r() for r in entry.module_refs]
+        if None not in mods:
+            fp = _safe_fingerprint(mods)
+            if fp is not None and fp == entry.fingerprint:
+                return entry.rebuild(mods)
+    desc = _describe(root)
+    _remember(root, desc)
+    return desc
+
+
+class _Entry:
+    """One root's cached walk: weak references to every described module, parameter, buffer
+    and held tensor (any of them dying drops the entry, so the ids it keeps stay unique) and
+    the fields of their info records."""
+
+    __slots__ = ("root", "module_refs", "fingerprint", "module_rows", "param_rows", "buffer_rows", "held_count",
+                 "module_address", "param_address", "buffer_address", "live", "__weakref__")
+
+    def rebuild(self, mods: list) -> ModelDescription:
+        order = [(row[0], m) for row, m in zip(self.module_rows, mods)]
+        modules = [ModuleInfo(a, c, q, None, aa, bool(m.training)) for (a, c, q, aa), m in zip(self.module_rows, mods)]
+        params = [ParamInfo(a, o, n, s, d, t, r(), dv, al) for a, o, n, s, d, t, r, dv, al in self.param_rows]
+        buffers = [BufferInfo(a, o, n, s, d, r(), pe, dv) for a, o, n, s, d, r, pe, dv in self.buffer_rows]
+        held = [(b.address, b.value) for b in buffers[len(buffers) - self.held_count:]] if self.held_count else []
+        return ModelDescription(ModelInfo(type(mods[0]).__name__, modules, params, buffers), self.module_address,
+                                order, self.param_address, self.buffer_address, held)
+
+
+#: id(root module) -> its cached walk (see `describe_model`)
+_CACHE: dict[int, _Entry] = {}
+
+
+def _drop(key: int, entry_ref: Any) -> None:
+    entry = entry_ref()
+    if entry is not None:
+        entry.live = False
+        if _CACHE.get(key) is entry:
+            del _CACHE[key]
+
+
+def _remember(root: nn.Module, desc: ModelDescription) -> None:
+    """Cache `desc` for `root`, or, when no fingerprint can be taken, remember that it cannot."""
+    key = id(root)
+    _CACHE.pop(key, None)
+    mods = [m for _, m in desc.modules]
+    entry = _Entry()
+    entry.live = True
+    callback = (lambda _r, key=key, e=weakref.ref(entry): _drop(key, e))
+    # a class that walks its own way, or a model holding what can change in place: remembered
+    # as such (a fingerprint of `None`), so its later captures walk it afresh without trying
+    fp = None if any(type(m).named_modules is not _NAMED_MODULES for m in mods) else _safe_fingerprint(mods)
+    entry.fingerprint = fp
+    if fp is None:
+        try:
+            entry.root = weakref.ref(root, callback)
+        except TypeError:
+            return
+        _CACHE[key] = entry
+        return
+    entry.module_address, entry.param_address, entry.buffer_address = (
+        desc.module_address, desc.param_address, desc.buffer_address)
+    entry.module_rows = [(mi.address, mi.class_name, mi.class_qualname, mi.all_addresses) for mi in desc.info.modules]
+    try:
+        entry.root = weakref.ref(root, callback)
+        entry.module_refs = [weakref.ref(m, callback) for m in mods]
+        entry.param_rows = [(p.address, p.module, p.name, p.shape, p.dtype, p.trainable, weakref.ref(p.value, callback),
+                             p.device, p.aliases) for p in desc.info.params]
+        entry.buffer_rows = [(b.address, b.module, b.name, b.shape, b.dtype, weakref.ref(b.value, callback),
+                              b.persistent, b.device) for b in desc.info.buffers]
+    except TypeError:  # something not weak-referenceable: no caching
+        return
+    entry.held_count = len(desc.held)
+    _CACHE[key] = entry
+
+
+_NAMED_MODULES = nn.Module.named_modules
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    """`str(device)`, cached per device."""
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
+def _safe_fingerprint(mods: list) -> list | None:
+    """`_fingerprint`, None where taking it raises (an unusual module: described afresh)."""
+    try:
+        return _fingerprint(mods)
+    except Exception:  # noqa: BLE001 - the cache is an optimisation: any failure means "walk afresh"
+        return None
+
+
+def _fingerprint(mods: list) -> list | None:
+    """What the description depends on, module by module (identities as ids: the entry's weak
+    references keep them unique while it lives), or None when a module holds a value that can
+    change in place (a container, a plain object): such a model is described afresh."""
+    fp: list = []
+    app, ext = fp.append, fp.extend
+    internals, leaf, tensor = MODULE_INTERNALS, _LEAF_TYPES, torch.Tensor
+    for m in mods:
+        app(type(m))
+        d = m.__dict__
+        app(d.get("training"))
+        sub, ps, bs = m._modules, m._parameters, m._buffers
+        if type(sub) is not dict or type(ps) is not dict or type(bs) is not dict:
+            return None  # TorchScript's registries and the like: described afresh
+        app(len(sub))
+        ext(sub)
+        ext(map(id, sub.values()))
+        app(len(ps))
+        for k, p in ps.items():
+            app(k)
+            if p is None:
+                app(None)
+            else:
+                ext((id(p), p.shape, p.dtype, p.device, p.requires_grad))
+        app(len(bs))
+        for k, b in bs.items():
+            app(k)
+            if b is None:
+                app(None)
+            else:
+                ext((id(b), b.shape, b.dtype, b.device))
+        np_set = m._non_persistent_buffers_set
+        if np_set:
+            app(sorted(np_set))
+        for k, v in [(k, v) for k, v in d.items() if type(v) not in leaf and k not in internals]:
+            if isinstance(v, tensor):
+                ext((k, id(v), v.shape, v.dtype, v.device))
+            elif isinstance(v, _SKIP_TYPES) or isinstance(v, type):
+                continue  # holds no tensor the description lists
+            elif type(v) is tuple and leaf.issuperset(map(type, v)):
+                continue  # a Conv2d's `kernel_size`: immutable, no tensor
+            else:
+                return None
+        app(None)
+    return fp
+
+
+def _describe(root: nn.Module) -> ModelDescription:
     """Walk `root` once and build the description and the identity maps."""
     all_addrs: dict[int, list[str]] = {}
     order: list[tuple[str, nn.Module]] = []
@@ -77,7 +234,7 @@ def describe_model(root: nn.Module) -> ModelDescription:
             name = prefix + pname
             param_address[id(p)] = name
             params.append(ParamInfo(name, addr, pname, tuple(p.shape), dtype_name(p.dtype), bool(p.requires_grad),
-                                    p, str(p.device), tuple(a for a in paths[id(p)] if a != name)))
+                                    p, _device_name(p.device), tuple(a for a in paths[id(p)] if a != name)))
 
     buffers: list[BufferInfo] = []
     buffer_address: dict[int, str] = {}
@@ -90,7 +247,7 @@ def describe_model(root: nn.Module) -> ModelDescription:
             full = prefix + bname
             buffer_address[id(b)] = full
             buffers.append(BufferInfo(full, addr, bname, tuple(b.shape), dtype_name(b.dtype), b,
-                                      bname not in nonpersistent, str(b.device)))
+                                      bname not in nonpersistent, _device_name(b.device)))
 
     held: list[tuple[str, torch.Tensor]] = []
     no_tensors: set[int] = set()  # plain objects already seen to hold no tensor
@@ -104,7 +261,8 @@ def describe_model(root: nn.Module) -> ModelDescription:
     for full, t in held:
         owner, _, name = full.rpartition(".")
         buffer_address[id(t)] = full
-        buffers.append(BufferInfo(full, owner or "self", name, tuple(t.shape), dtype_name(t.dtype), t, False, str(t.device)))
+        buffers.append(BufferInfo(full, owner or "self", name, tuple(t.shape), dtype_name(t.dtype), t, False,
+                                  _device_name(t.device)))
 
     info = ModelInfo(type(root).__name__, modules, params, buffers)
     return ModelDescription(info, module_address, order, param_address, buffer_address, held)

@@ -69,6 +69,12 @@ _RANDOM_NAMES = frozenset({
 #: Callables that write some tensor arguments without saying so (running statistics).
 _HIDDEN_WRITERS = frozenset({"batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit"})
 
+#: Of those, the flag (keyword name, position, default) under which they update running
+#: statistics: a call with the flag literally False writes nothing (batch norm in eval mode)
+#: and takes the handler's fast path (`FuncInfo.quiet_flag`).
+_WRITE_FLAGS = {"batch_norm": ("training", 5, False), "native_batch_norm": ("training", 5, None),
+                "_native_batch_norm_legit": ("training", 5, None), "instance_norm": ("use_input_stats", 5, True)}
+
 #: In-place methods that change only metadata: no parameter copy before them.
 _METADATA_INPLACE = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
 
@@ -106,7 +112,7 @@ class FuncInfo:
     """What the handler needs to know about one callable, computed once per callable."""
 
     __slots__ = ("name", "passthrough", "inplace", "may_inplace", "inplace_index", "hidden_write", "random", "cost",
-                 "composite", "may_write", "data_set", "value_read", "note", "simple")
+                 "composite", "may_write", "data_set", "value_read", "note", "simple", "quiet_flag")
 
     def __init__(self, func: Any, composites: dict) -> None:
         name = getattr(func, "__name__", None) or type(func).__name__
@@ -143,6 +149,22 @@ class FuncInfo:
         # numbers (SDPA may: its dropout_p is read per call) and is not expanded
         self.simple = not (self.passthrough or self.composite is not None or self.may_write or self.data_set
                            or self.random or name == "scaled_dot_product_attention")
+        # a hidden writer that is otherwise simple: (flag name, position, default) of the flag
+        # under which it writes; a call with that flag False is simple (see `_writes_nothing`)
+        self.quiet_flag = None
+        if (self.hidden_write and not (self.passthrough or self.composite is not None or self.inplace
+                                       or self.may_inplace or self.data_set or self.random)):
+            self.quiet_flag = _WRITE_FLAGS.get(name)
+
+
+def _writes_nothing(flag: tuple, args: tuple, kwargs: dict) -> bool:
+    """Whether a hidden writer's call leaves its running statistics alone: its `training`
+    (`use_input_stats`) flag, given by keyword, position or default, is literally False."""
+    key, pos, default = flag
+    value = kwargs.get(key, default) if kwargs else default
+    if len(args) > pos:
+        value = args[pos]
+    return value is False
 
 
 def _sdpa_draws(args: tuple, kwargs: dict) -> bool:
@@ -737,12 +759,31 @@ class Recorder:
                 for item in d.values():
                     self.flush_reachable(item, depth + 1, seen)
 
-    def flush_modules(self, modules: Any, seen: set) -> None:
+    def flush_modules(self, modules: Any, seen: set, plan: Any = None) -> None:
         """`flush_reachable` over each module's own attributes (not torch's bookkeeping) and
         its `_parameters` / `_buffers` entries: the module state that outlives the forward.
         The common cases run inline (a scalar attribute is skipped without a call; a
-        parameter or buffer goes straight to `flush`)."""
+        parameter or buffer goes straight to `flush`). `plan` (the state snapshot's
+        `reach_plan`, same modules in the same order) lists, per module whose attributes the
+        forward left as they were, the attribute values that can hold a tensor: only those
+        are walked (None: every attribute, as without a plan)."""
         leaf, flush, reach = _LEAF_TYPES, self.flush, self.flush_reachable
+        if plan is not None:
+            for m, values in plan:
+                if not self.pending:
+                    return
+                if values is None:
+                    self.flush_modules((("", m),), seen)
+                    continue
+                for t in m._parameters.values():
+                    if t is not None:
+                        flush(t)
+                for t in m._buffers.values():
+                    if t is not None:
+                        flush(t)
+                for v in values:
+                    reach(v, 0, seen)
+            return
         for _, m in modules:
             if not self.pending:
                 return
@@ -880,14 +921,19 @@ class Recorder:
         if addr is None or threading.get_ident() != self.thread:
             return None
         stack = self.stack
-        # pop this module's frame (the innermost one with its address)
-        for j in range(len(stack) - 1, -1, -1):
-            if stack[j][0] == addr:
-                call = stack[j][1]
-                self.stack = stack[:j]
-                break
+        # pop this module's frame (the innermost one with its address; the last one, as a rule)
+        j = len(stack) - 1
+        if j >= 0 and stack[j][0] == addr:
+            call = stack[j][1]
+            self.stack = stack[:j]
         else:
-            return None
+            for j in range(len(stack) - 1, -1, -1):
+                if stack[j][0] == addr:
+                    call = stack[j][1]
+                    self.stack = stack[:j]
+                    break
+            else:
+                return None
         tags = self.tags
         enter = self.enter_events.pop((addr, call), None)
         if kwargs and enter is not None:  # the global pre-hook sees positional inputs only
@@ -958,8 +1004,10 @@ class CaptureMode(TorchFunctionMode):
             info = rec.func_info(func)
         if kwargs is None:
             kwargs = _NO_KWARGS
-        if info.simple and self.lean and "out" not in kwargs:
-            # the fast path: most calls of a forward (see `Recorder.record_one`)
+        if (info.simple or (info.quiet_flag is not None and _writes_nothing(info.quiet_flag, args, kwargs))) and (
+                self.lean and "out" not in kwargs):
+            # the fast path: most calls of a forward (see `Recorder.record_one`), batch norm
+            # in eval mode included
             t0 = perf_counter()
             out = func(*args, **kwargs)
             duration = perf_counter() - t0

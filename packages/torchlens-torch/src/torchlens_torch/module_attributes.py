@@ -5,6 +5,7 @@ with the trace) so recipes read head counts and dims from the record, never the 
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 _ATOMIC = (bool, int, float, str)
@@ -55,23 +56,56 @@ def config_scalars(config: Any) -> dict[str, Any]:
     return out
 
 
-def snapshot(trace: Any, modules: Any) -> None:
-    """Record the attributes of each (address, live module) pair that has a Module record."""
+#: id(module) -> (attribute names, their values, the attributes recorded from them), for modules
+#: whose attributes are all plain values: the record is a function of those names and (immutable)
+#: values, so a module holding the same objects under the same names gets it again without the walk
+_MEMO: dict[int, tuple[tuple, tuple, dict[str, Any]]] = {}
+_MEMO_MAX = 4096
+
+
+def snapshot(trace: Any, modules: Any, state: Any = None) -> None:
+    """Record the attributes of each (address, live module) pair that has a Module record.
+    `state` (the capture's `ModelStateSnapshot` of the same modules, in the same order) lets a
+    module whose `__dict__` is as the snapshot saw it reuse its last record (`_MEMO`)."""
     records = trace._modules
+    exact, exact_items = _EXACT, _EXACT_ITEMS
     configs: dict[int, dict[str, Any]] = {}
     out: dict[str, dict[str, Any]] = {}
+    shapes = None
+    if state is not None and len(state.entries) == len(modules):
+        shapes = zip(state.untouched_flags(), state.shapes)
+        if len(_MEMO) > _MEMO_MAX:
+            _MEMO.clear()
     for address, module in modules:
+        shape = next(shapes) if shapes is not None else None
         if address not in records:
             continue
+        if shape is not None and shape[0]:
+            _, names, values = shape[1]
+            hit = _MEMO.get(id(module))
+            if hit is not None and hit[0] == names and all(map(operator.is_, hit[1], values)):
+                if hit[2]:
+                    out[address] = dict(hit[2])
+                continue
         attrs: dict[str, Any] = {}
         config = None
+        plain = True  # every attribute a plain value (memoisable)
         for k, v in vars(module).items():
-            if k.startswith("_"):
+            if k[:1] == "_":
                 continue
+            t = type(v)
+            if t in exact or (t is tuple and len(v) <= 8 and exact_items.issuperset(map(type, v))):
+                attrs[k] = v  # (the common case, inline: `_atomic` and `_plain` of a plain value)
+                continue
+            plain = False
             if k == "config" and not _atomic(v) and hasattr(v, "__dict__"):
                 config = v
             elif _atomic(v):
                 attrs[k] = _plain(v)
+        if shape is not None and shape[0] and plain:
+            _, names, values = shape[1]
+            if all(type(v) in exact or type(v) is tuple and exact_items.issuperset(map(type, v)) for v in values):
+                _MEMO[id(module)] = (names, values, dict(attrs))
         if config is not None:
             scalars = configs.get(id(config))
             if scalars is None:

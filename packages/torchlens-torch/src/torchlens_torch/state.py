@@ -65,6 +65,10 @@ class _TensorSnap:
 _ATOMS = (int, float, str, bool, type(None))
 _ATOM_TYPES = frozenset(_ATOMS)
 _MUTABLE = frozenset((list, dict, set))
+#: The snapshot of an empty registry (read only: `_restore_dict` never writes its `saved`)
+_EMPTY: dict = {}
+#: Attribute types that hold no tensor (`reach_plan` leaves them out)
+_NO_TENSOR_TYPES = frozenset((bytes, torch.dtype, torch.device, torch.Size, type))
 #: `__dict__` keys the snapshot skips: torch's bookkeeping (the training flag is user state)
 _SNAPSHOT_SKIP = MODULE_INTERNALS - {"training"}
 
@@ -118,11 +122,16 @@ class ModelStateSnapshot:
         # per entry: the module's attribute keys, and its plain attributes' keys and values, for
         # `_untouched` (a C-level check that the forward added, removed and rebound nothing)
         self.shapes: list[tuple[Any, tuple, tuple]] = []
+        # per entry: the attribute values that are neither scalars nor tuples of scalars (what
+        # can hold a tensor: see `reach_plan`)
+        self.reach: list[list] = []
+        self._flags: list[bool] | None = None  # `_untouched` per entry, once the forward is over
         internals, atoms = _SNAPSHOT_SKIP, _ATOM_TYPES
         for _, m in modules:
             d = m.__dict__
             attrs: dict[str, Any] = {k: v for k, v in d.items() if k not in internals}
             containers: dict[str, Any] = {}
+            reach: list = []
             for k in [k for k, v in attrs.items() if type(v) not in atoms]:  # (most attributes are scalars)
                 v = attrs[k]
                 t = type(v)
@@ -130,10 +139,17 @@ class ModelStateSnapshot:
                     if atoms.issuperset(map(type, v)):  # a Conv2d's `kernel_size`: cannot change in place
                         continue
                 elif t not in _MUTABLE and not isinstance(v, torch.Tensor):
+                    if t not in _NO_TENSOR_TYPES:
+                        reach.append(v)
                     continue  # other objects: tracked by identity only
+                reach.append(v)
                 containers[k] = _snap_container(v)
-            self.entries.append((m, attrs, containers, dict(m._parameters), dict(m._buffers), dict(m._modules)))
-            self.shapes.append((set(d), tuple(attrs), tuple(attrs.values())))
+            ps, bs, ms = m._parameters, m._buffers, m._modules
+            # (an empty registry is the common case: one shared empty dict, never written)
+            self.entries.append((m, attrs, containers, dict(ps) if ps else _EMPTY, dict(bs) if bs else _EMPTY,
+                                 dict(ms) if ms else _EMPTY))
+            self.shapes.append((tuple(d), tuple(attrs), tuple(attrs.values())))
+            self.reach.append(reach)
         # every registered buffer (once per registration), a copy and its version counter now.
         # One clone per buffer: measured cheaper than one `torch.cat` (or `torch._foreach_*`) per
         # dtype, whose per-tensor detach/reshape views cost more than the clones they replace.
@@ -145,8 +161,23 @@ class ModelStateSnapshot:
     def _untouched(d: dict, shape: tuple[Any, tuple, tuple]) -> bool:
         """The module's `__dict__` has the snapshot's keys and each plain attribute is the
         same object (builtin containers may still have changed in place)."""
-        keys, attr_keys, attr_vals = shape
-        return d.keys() == keys and all(map(operator.is_, map(d.__getitem__, attr_keys), attr_vals))
+        keys, attr_keys, attr_vals = shape  # (keys in order: a key removed and added again counts as touched)
+        return tuple(d) == keys and all(map(operator.is_, map(d.__getitem__, attr_keys), attr_vals))
+
+    def untouched_flags(self) -> list[bool]:
+        """`_untouched` for each module, computed once after the forward (the end-of-forward
+        copy, `writes` and `restore` read the same answer; `restore` forgets it)."""
+        flags = self._flags
+        if flags is None:
+            untouched = self._untouched
+            flags = self._flags = [untouched(e[0].__dict__, shape) for e, shape in zip(self.entries, self.shapes)]
+        return flags
+
+    def reach_plan(self) -> list[tuple[nn.Module, list | None]]:
+        """Per module, for the end-of-forward copy of payloads that module state aliases
+        (`Recorder.flush_modules`): the attribute values that can hold a tensor, or None when
+        the forward added, removed or rebound attributes (then every attribute is walked)."""
+        return [(e[0], reach if ok else None) for e, reach, ok in zip(self.entries, self.reach, self.untouched_flags())]
 
     def writes(self) -> dict[int, dict[str, Any]]:
         """id(module) -> {attribute: AttributeWrite} for what the forward wrote (read before
@@ -155,11 +186,10 @@ class ModelStateSnapshot:
         from torchlens.backends.sdk import AttributeWrite
 
         out: dict[int, dict[str, Any]] = {}
-        untouched = self._untouched
-        for (m, attrs, containers, _params, _buffers, _submods), shape in zip(self.entries, self.shapes):
+        for (m, attrs, containers, _params, _buffers, _submods), ok in zip(self.entries, self.untouched_flags()):
             d = m.__dict__
             w: dict[str, Any] = {}
-            if untouched(d, shape):  # only builtin containers and tensors can have changed
+            if ok:  # only builtin containers and tensors can have changed
                 for k, snap in containers.items():
                     v = attrs[k]
                     if _changed(v, snap):
@@ -181,10 +211,10 @@ class ModelStateSnapshot:
         return out
 
     def restore(self) -> None:
-        untouched = self._untouched
-        for (m, attrs, containers, params, buffers, submods), shape in zip(self.entries, self.shapes):
+        flags, self._flags = self.untouched_flags(), None
+        for (m, attrs, containers, params, buffers, submods), ok in zip(self.entries, flags):
             d = m.__dict__
-            if untouched(d, shape):  # nothing added, removed or rebound: put containers back
+            if ok:  # nothing added, removed or rebound: put containers back
                 for k, snap in containers.items():
                     v = attrs[k]
                     if type(v) in (list, dict, set):

@@ -29,10 +29,16 @@ change. The dependency test enforces it for the backends in this repository.
   first array of another framework, or numpy, in an input), `call_site(frame, stop)` (the
   (code, instruction) key of an op's call site), `module_parents(addresses)` (each module's
   parent address).
+- Base classes (`torchlens.backends.sdk_backend`): `BackendBase` (the protocol plumbing and the
+  capture steps a preview backend shares) and `RecorderBase` (a recorder's bookkeeping: sources,
+  argument templates, module scopes, output events).
 - Gradients by perturbed replay (`torchlens.backends.sdk_grads`): `GradOptions` (the dataclass every
   `tl.backends.<name>.GradOptions` is), `GradState`, `keep_for_backward`, `backward_state`,
   `grad_keys`, `perturbed_replay`, `loss_value`, `store_grads`, `out_template` / `rebuild`,
   `forward_edits`, `by_event`.
+- Reduce and discard (`torchlens.backends.sdk_stats`): `take_stats_fold()` says a `save="stats"`
+  capture may fold each op's out into a `STATS_FOLD_SLOTS` float64 vector (saved as a `FoldedStats`)
+  as the op runs.
 - Errors: the typed error classes a backend raises.
 """
 
@@ -115,6 +121,7 @@ from torchlens.options import CaptureOptions, TraceOptions
 from torchlens.plugins.hookspecs import hookimpl
 from torchlens.records.trace import Provenance
 from torchlens.types import AttributeWrite, CallablePlaceholder, UnencodableValue
+from torchlens.backends.sdk_stats import STATS_FOLD_SLOTS, FoldedStats, take_stats_fold  # save="stats" during the forward (issue 23)
 
 #: Names served lazily (their modules are heavier or import more of core): name -> "module:attr".
 _LAZY = {
@@ -135,6 +142,9 @@ _LAZY = {
     "replay_ops_from": "torchlens.replay.engine:replay_ops_from",
     "Replayer": "torchlens.replay.engine:Replayer",
     "ReplayFailure": "torchlens.replay.engine:ReplayFailure",
+    # base classes written on this module (they import it): protocol plumbing and recorder bookkeeping
+    "BackendBase": "torchlens.backends.sdk_backend:BackendBase",
+    "RecorderBase": "torchlens.backends.sdk_backend:RecorderBase",
     # issue 22: the generation driver contract (see SupportsGenerationRecording)
     "ForwardData": "torchlens.recording.generation:ForwardData",
     "GenerationRequest": "torchlens.recording.generation:GenerationRequest",
@@ -270,4 +280,5 @@ __all__ = [
     "ValidationStatus", "param_values", "CallablePlaceholder", "UnencodableValue", *_LAZY,
     "TorchLensError", "BackendUnsupportedError", "InvalidArgumentError", "TraceCaptureError", "ArtifactError",
     "LookupMissError", "RecordingError", "ReentrantTraceError", "SaveBudgetExceededError", "ValidationError",
+    "STATS_FOLD_SLOTS", "FoldedStats", "take_stats_fold",
 ]

@@ -180,16 +180,20 @@ def _plain_add(value: Any, eps: Any) -> Any:
 
 def perturbed_replay(trace: Any, state: GradState, replayer: Any, eps: Mapping[int, Mapping[int, Any]], *,
                      params: Mapping[str, Any], is_leaf: Callable[[Any], bool],
-                     add: Callable[[Any, Any], Any] = _plain_add) -> list[Any]:
+                     add: Callable[[Any, Any], Any] = _plain_add, edit_sources: bool = False,
+                     taps: Mapping[int, Callable[[Any], Any]] | None = None) -> list[Any]:
     """Re-execute the recorded ops of `trace` and return the output leaves (one per output op).
 
     Source ops take their kept values (`state.sources`), each output op its parent's slot, each
     `op` is re-run by `replayer.run(op, override=params, changed=...)` on the values computed so
-    far; the live edit plan's forward edits are applied where the capture applied them; then
-    `add(value, eps[event_id][slot])` adds the perturbation of every slot `eps` names. Other op
-    kinds are skipped."""
+    far; the live edit plan's forward edits are applied where the capture applied them (to
+    `op` and `output` ops; to sources too with `edit_sources`, as a replay that edited clean
+    kept sources did); then `add(value, eps[event_id][slot])` adds the perturbation of every
+    slot `eps` names, and `taps[event_id]`, where given, is applied to the sum (JAX's gradient
+    edits: an identity whose VJP edits the cotangent). Other op kinds are skipped."""
     plan = state.edit_plan
     fwd_edited = set(plan.by_event) if plan is not None else set()
+    taps = taps or {}
     vals: dict[int, list[Any]] = {}
     by_label: dict[str, tuple[Any, ...]] = {}
     for op in trace.ops:
@@ -202,10 +206,13 @@ def perturbed_replay(trace: Any, state: GradState, replayer: Any, eps: Mapping[i
             outs = list(replayer.run(op, override=params, changed=by_label))
         else:
             continue
-        if op.event_id in fwd_edited and op.kind in ("op", "output"):
+        if op.event_id in fwd_edited and (op.kind in ("op", "output") or edit_sources):
             outs = forward_edits(plan, op.event_id, outs, is_leaf)
+        tap = taps.get(op.event_id)
         for k, e in (eps.get(op.event_id) or {}).items():
             outs[k] = add(outs[k], e)
+            if tap is not None:
+                outs[k] = tap(outs[k])
         vals[op.event_id] = outs
         by_label[op.label] = tuple(outs)
     return [vals[o.event_id][0] for o in trace.output_ops]

@@ -96,6 +96,7 @@ def _build(model_info: ModelInfo, events: EventLog | Iterable[Any], output: Any,
     layers = trace._layers
     modules = trace._modules
     append_op = ordered_ops.append
+    call_of: dict[tuple, ModuleCall] = {}  # (address, call number) -> its ModuleCall
     _OpEvent, _ModuleEnter, _ModuleExit = OpEvent, ModuleEnter, ModuleExit
 
     for ev in evs:
@@ -173,8 +174,9 @@ def _build(model_info: ModelInfo, events: EventLog | Iterable[Any], output: Any,
                 modules[ev.address] = mod
             mod.calls.append(call)
             mod_calls[call.label] = call
+            call_of[(ev.address, ev.call)] = call  # (the exit finds it without formatting its label)
         elif isinstance(ev, ModuleExit):
-            call = mod_calls.get(f"{ev.address}:{ev.call}")
+            call = call_of.get((ev.address, ev.call))
             if call is not None:
                 call.output_labels = ev.output_ids  # resolved below
 
@@ -259,10 +261,19 @@ def _build(model_info: ModelInfo, events: EventLog | Iterable[Any], output: Any,
     for call in mod_calls.values():
         ids = call.output_labels
         call.input_labels = _resolve_ids(call.input_labels, op_of_event)
-        call.output_labels = _resolve_ids(ids, op_of_event)
-        slots = _output_slots(ids, op_of_event)
-        if slots is not None:
-            output_slots[call.label] = slots
+        # `_resolve_ids` and `_output_slots` in one walk (one returned tensor is the common case)
+        labels: list[str] = []
+        multi = False
+        for pid, _slot in ids or ():
+            op = op_of_event.get(pid)
+            if op is not None:
+                if op.multi_output:
+                    multi = True
+                if op.label not in labels:
+                    labels.append(op.label)
+        call.output_labels = labels
+        if multi:
+            output_slots[call.label] = _output_slots(ids, op_of_event)
     if output_slots:  # saved with the trace: a loaded trace's calls return the same slots
         trace.annotations["module_output_slots"] = output_slots
 

@@ -390,7 +390,9 @@ class Decoder:
 
             cls = CaptureOptions if tag == "$capture_options" else TraceOptions
             names = [f.name for f in dc_fields(cls)]
-            _need(isinstance(body, dict) and sorted(body) == sorted(names))
+            # every stored field must be known; a field added after the artifact was written is
+            # absent from it and takes its default (all option fields have one)
+            _need(isinstance(body, dict) and set(body) <= set(names))
             try:
                 return cls(**{k: sub(v) for k, v in body.items()})
             except ArtifactError:

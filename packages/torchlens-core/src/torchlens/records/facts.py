@@ -72,15 +72,18 @@ class GraphFacts:
 class AutogradFacts:
     """`trace.autograd`: the backward records. `backward_passes` counts successful
     `trace.backward` calls (saved with the trace); `has_grads` says whether any op holds a
-    saved gradient; the per-grad_fn records are None (not recorded in this build)."""
+    saved gradient. `grad_fns` holds the captured grad_fn graph as portable `GradFn` records
+    (`torchlens.records.autograd`), `grad_fn_order` their labels in a topological order from
+    the roots, and `grad_fn_calls` the nodes' runs during backward passes; each is None, with
+    the reason in `unavailable`, when the capture recorded none."""
 
     backward_passes: int
     has_backward_pass: bool
     has_grads: bool
     ops_with_grads: tuple[str, ...]
-    grad_fns: None = None
-    grad_fn_calls: None = None
-    grad_fn_order: None = None
+    grad_fns: Any = None
+    grad_fn_calls: Any = None
+    grad_fn_order: tuple[str, ...] | None = None
     unavailable: dict[str, str] = field(default_factory=dict)
 
 
@@ -119,7 +122,15 @@ def graph_facts(trace: Any) -> GraphFacts:
 def autograd_facts(trace: Any) -> AutogradFacts:
     with_grads = tuple(o.label for o in trace._ops.values() if o.grads is not None)
     passes = int(trace.__dict__.get("_backward_passes", 0))
-    why = {k: "the backward's grad_fn records are not kept in this build" for k in ("grad_fns", "grad_fn_calls",
-                                                                                     "grad_fn_order")}
+    from torchlens.records.autograd import grad_fn_calls_of, grad_fns_of
+
+    grad_fns, why_fns = grad_fns_of(trace)
+    calls, why_calls = grad_fn_calls_of(trace)
+    why: dict[str, str] = {}
+    if grad_fns is None:
+        why["grad_fns"] = why["grad_fn_order"] = str(why_fns)
+    if calls is None:
+        why["grad_fn_calls"] = str(why_calls)
     return AutogradFacts(backward_passes=passes, has_backward_pass=passes > 0 or bool(with_grads),
-                         has_grads=bool(with_grads), ops_with_grads=with_grads, unavailable=why)
+                         has_grads=bool(with_grads), ops_with_grads=with_grads, grad_fns=grad_fns, grad_fn_calls=calls,
+                         grad_fn_order=None if grad_fns is None else grad_fns.labels, unavailable=why)

@@ -424,6 +424,26 @@ def _cost_quantities() -> dict[str, type]:
 _COST_QUANTITIES = _cost_quantities()
 
 
+class _CleanedOp(Op):
+    """An op of a trace after `Trace.cleanup()`: its record stays, its payload and gradient
+    reads refuse `trace_cleaned_up` (same slots as Op, so `op.__class__` can switch)."""
+
+    __slots__ = ()
+
+    def _cleaned(self, what: str) -> PayloadUnavailableError:
+        return PayloadUnavailableError("trace_cleaned_up", f"op {self.label!r}: trace.cleanup() released its {what}",
+                                       remedy="read payloads before calling trace.cleanup(), or capture again",
+                                       label=self.label)
+
+    @property
+    def outs(self) -> tuple[Any, ...]:
+        raise self._cleaned("saved output")
+
+    @property
+    def grad(self) -> Any:
+        raise self._cleaned("gradient")
+
+
 class Trace(TraceLike):
     """Operations, dataflow edges, module context, selected payloads and capture metadata
     of one forward pass. `tl.trace(...)` returns one."""
@@ -538,6 +558,25 @@ class Trace(TraceLike):
     def set_output(self, value: Any) -> None:
         """Hold `value` as the live forward return (a rerun's)."""
         self._output, self._output_state, self._output_reason = value, None, None
+
+    def cleanup(self) -> None:
+        """Release what this trace holds for payload reads and backward: every op's saved
+        outputs and gradients, the live forward return (with its autograd graph), the
+        backend's state (the gradient store) and the intervention state (staged values,
+        evidence). The records stay readable (labels, shapes, dtypes, dataflow, modules,
+        options, provenance). Afterwards `op.out`, `op.grad` and `trace.output` refuse with
+        `PayloadUnavailableError` code `trace_cleaned_up`. Calling it again does nothing;
+        forks and copies made earlier hold their own references and keep them. Saving a
+        cleaned trace writes its records without payloads."""
+        for op in self._ops.values():
+            op._outputs, op.saved, op.grads = (), False, None
+            if type(op) is Op:
+                op.__class__ = _CleanedOp
+        self._output, self._output_state, self._output_reason = None, "trace_cleaned_up", "cleaned_up"
+        self._backend_state = None
+        self._intervention = None
+        self._facet_writes = None
+        self.annotations["cleaned_up"] = True
 
     # accessors -------------------------------------------------------------------------
     @property

@@ -6,11 +6,15 @@ Every output slot of an op that reads as a real numeric array is folded (a multi
 folds all its slots into one summary); a slot that is not numeric (None, a string, a complex
 tensor) folds nothing, so such an op's summary has `count == 0` and `numel == 0`.
 
-How: core captures with `save="all"` through the backend, then folds and releases each op's
-payload before `tl.trace` returns (the backend protocol has no per-op fold hook yet), so the
-capture's peak memory is that of a `save="all"` capture; what the trace keeps afterwards is
-one 16-slot vector per op. Payload reads raise `activation_reduced_to_stats`; replaying,
-editing, forking, re-running or validating the trace raises `stats_capture_not_replayable`.
+How: core captures with `save="all"` through the backend and offers it the fold
+(`torchlens.backends.sdk_stats`). A backend that takes the offer (torch) folds each op's out
+into its 16-slot vector as the op runs and keeps no payload: peak memory is the forward's own
+plus one vector per op. Any other backend (and a capture with `intervene=`) keeps payloads and
+core folds and releases them before `tl.trace` returns: peak memory that of a `save="all"`
+capture. Which one ran is `trace.provenance.extra["stats_fold"]` (`"forward"` or
+`"after_capture"`); `trace.options.save` reads `"stats"`. What the trace keeps afterwards is one
+16-slot vector per op. Payload reads raise `activation_reduced_to_stats`; replaying, editing,
+forking, re-running or validating the trace raises `stats_capture_not_replayable`.
 """
 
 from __future__ import annotations
@@ -101,23 +105,65 @@ def _fold(rs: RunningStats, proto: Any, value: Any) -> None:
     rs.update(a)
 
 
-def reduce_trace(trace: Any) -> Any:
+def _merge_folded(rs: RunningStats, proto: Any, folded: Any, label: str) -> None:
+    """Merge a backend's during-forward summary (a `FoldedStats`) into `rs`."""
+    v = np.asarray(proto.host_copy(folded.vector) if proto is not None else folded.vector, dtype=np.float64)
+    if v.shape != (16,):
+        from torchlens.errors import PluginError
+
+        raise PluginError("backend_stats_fold_invalid",
+                          f"the backend folded op {label!r} into a {v.shape} array, not the 16-slot stats vector",
+                          remedy="the backend's save='stats' fold must return torchlens.backends.sdk.FoldedStats of a "
+                                 "16-vector laid out as STATS_FOLD_SLOTS (see torchlens.backends.sdk_stats)",
+                          label=label, shape=list(v.shape))
+    rs._slots = RunningStats._combine(rs._slots, v)
+
+
+def reduce_trace(trace: Any, offer: Any = None) -> Any:
     """Fold every op's outs into a RunningStats, release the payloads, and turn `trace` into
-    a StatsTrace (in place; returned for convenience)."""
+    a StatsTrace (in place; returned for convenience). `offer`: core's
+    `torchlens.backends.sdk_stats.StatsFoldOffer` for this capture (None: none was made); when a
+    backend took it (`offer.mode == "forward"`) the saved slots hold `offer.folded_type`
+    summaries, and a payload the backend saved anyway is folded here and its op named in
+    `provenance.extra["stats_fold_late"]`."""
+    mode = getattr(offer, "mode", "after_capture")
+    folded = mode == "forward"
+    FoldedStats = getattr(offer, "folded_type", None)
     proto = trace._backend
     stats: dict[str, RunningStats] = {}
+    late: list[str] = []
     for op in trace._ops.values():
         rs = RunningStats()
         if op.saved:
             for v in op._outputs:
-                _fold(rs, proto, v)
+                if FoldedStats is not None and type(v) is FoldedStats:
+                    _merge_folded(rs, proto, v, op.label)
+                elif v is not None:
+                    if folded:
+                        late.append(op.label)
+                    _fold(rs, proto, v)
         stats[op.label] = rs
         op.saved = False
         op._outputs = tuple(None for _ in op._outputs)
         op.__class__ = _reduced_class(type(op), "op")
     trace.__class__ = _reduced_class(type(trace), "trace")
     trace._site_stats = stats
+    _note_fold(trace, mode, late)
     return trace
+
+
+def _note_fold(trace: Any, mode: str, late: list[str]) -> None:
+    """The trace facts: how the fold ran (`provenance.extra["stats_fold"]`) and `options.save`."""
+    import dataclasses
+
+    prov = getattr(trace, "provenance", None)
+    if prov is not None and isinstance(getattr(prov, "extra", None), dict):
+        prov.extra["stats_fold"] = mode
+        if late:
+            prov.extra["stats_fold_late"] = late
+    opts = getattr(trace, "options", None)
+    if dataclasses.is_dataclass(opts) and getattr(opts, "save", None) == "all":
+        trace.options = dataclasses.replace(opts, save=SAVE_STATS)
 
 
 def site_stats(trace: Any) -> dict[str, RunningStats]:

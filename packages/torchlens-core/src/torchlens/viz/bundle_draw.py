@@ -15,8 +15,16 @@
 
 - rolled=True (union graph only): one node per layer, `(xN)` for a layer run N times.
 
-Not built, refused with a typed code: graph="backward"/"combined" (this build keeps no
-grad_fn records to draw).
+- graph="backward": the union of the members' captured grad_fn graphs
+  (`trace.autograd.grad_fns`), one node per grad_fn label, one arrow per next_functions edge
+  (drawn from a node to the node it sends gradient to); a node or arrow not every member
+  has lists the members that do. Each node names the forward op whose output carries it
+  (`<- op`) or the parameter an AccumulateGrad node accumulates into.
+- graph="combined": the forward union graph and the backward union graph in one picture,
+  with a dotted link from each forward op to its grad_fn.
+  A member with no grad_fn records (captured under torch.no_grad(), by a backend that builds
+  no autograd graph, or loaded from an artifact saved before grad_fn records existed) refuses
+  with BundleError `bundle_draw_grad_fns_missing` naming the member, before anything is written.
 """
 
 from __future__ import annotations
@@ -132,6 +140,11 @@ def draw_bundle(bundle: Any, path: Any = None, *, graph: str = "forward", nodes:
     edge_overrides = _overrides("edge_overrides", edge_overrides)
     if rolled and (graph == "diff" or nodes == "members"):
         raise _unsupported("rolled", "has no meaning for a diff" if graph == "diff" else "has no meaning with nodes='members'")
+    if rolled and graph in ("backward", "combined"):
+        raise _unsupported("rolled", f"has no meaning with graph={graph!r} (grad_fn nodes are per pass, not per layer)")
+    if nodes == "members" and graph not in ("forward", "diff"):
+        raise _unsupported("nodes", f"='members' draws the member graph, which has no {graph!r} pass; "
+                                    "use graph='forward'")
     if graph == "diff":
         if nodes == "members":
             raise _unsupported("nodes", "='members' has no meaning for a diff")
@@ -146,11 +159,7 @@ def draw_bundle(bundle: Any, path: Any = None, *, graph: str = "forward", nodes:
             raise _unsupported("depth", f"has no meaning with graph={graph!r} (the union graph has no module folding)")
         if members is not None:
             raise _unsupported("members", "applies to graph='diff' only")
-        if graph != "forward":
-            raise InvalidArgumentError("bundle_draw_option_invalid",
-                                       f"graph={graph!r} needs each member's grad_fn graph, which this build does not "
-                                       "record (trace.autograd lists grad_fns as unavailable)",
-                                       remedy="draw graph='forward' or graph='diff'", option="graph")
+    grads = _member_grad_fns(bundle) if graph in ("backward", "combined") else None
     th = get_theme(theme if theme is not None else ("paper" if graph == "diff" else "torchlens"))
     stem = "bundle_diff" if graph == "diff" else "bundle_modelgraph"
     notebook = path is None and in_notebook()
@@ -162,6 +171,10 @@ def draw_bundle(bundle: Any, path: Any = None, *, graph: str = "forward", nodes:
     if graph == "diff":
         source, ids, n_edges, dist, pair = _diff_source(bundle, members, metric, on, direction, th, show_legend,
                                                         graph_overrides, node_overrides, edge_overrides)
+    elif grads is not None:
+        source, ids, n_edges = _grad_source(bundle, grads, graph == "combined", direction, th, graph_overrides,
+                                            node_overrides, edge_overrides)
+        dist, pair = {}, tuple(bundle.names)
     elif nodes == "members":
         source, ids, n_edges = _members_source(bundle, direction, th, graph_overrides, node_overrides, edge_overrides)
         dist, pair = {}, tuple(bundle.names)
@@ -346,6 +359,112 @@ def _union_source(bundle: Any, direction: str | None, th: Any, graph_overrides: 
         lines.append(f"  {ids[src]} -> {ids[dst]}" + (f" [{_attrs(eattrs)}]" if eattrs else "") + ";")
     lines.append("}")
     return "\n".join(lines) + "\n", ids, len(edges)
+
+
+def _member_grad_fns(bundle: Any) -> dict[str, Any]:
+    """Each member's GradFnCollection; a member without one refuses (before any output)."""
+    from torchlens.errors import BundleError
+    from torchlens.records.autograd import grad_fns_of
+
+    out = {}
+    for n in bundle.names:
+        coll, why = grad_fns_of(bundle[n])
+        if coll is None:
+            raise BundleError("bundle_draw_grad_fns_missing", f"member {n!r} has no grad_fn records to draw: {why}",
+                              remedy=f"capture {n!r} again with gradients enabled (outside torch.no_grad(), with "
+                                     "inputs or parameters that require grad) on a build that records grad_fns, or "
+                                     "draw graph='forward'", member=n, reason=why)
+        out[n] = coll
+    return out
+
+
+def _grad_source(bundle: Any, grads: dict[str, Any], combined: bool, direction: str | None, th: Any,
+                 graph_overrides: dict, node_overrides: dict,
+                 edge_overrides: dict) -> tuple[str, dict[str, str], int]:
+    """graph="backward" (grad_fn union) or "combined" (forward union + grad_fn union + links).
+    A backward arrow (g, n) is written `n -> g [dir=back]`, so it points from g to n while
+    ranking like the forward graph (a grad_fn lines up with its forward op)."""
+    names = list(bundle.names)
+    everyone = len(names)
+    gnodes: dict[str, list[str]] = {}
+    grec: dict[str, Any] = {}
+    gop: dict[str, list[str]] = {}
+    gedges: dict[tuple[str, str], list[str]] = {}
+    links: dict[tuple[str, str], list[str]] = {}
+    fnodes: dict[str, list[str]] = {}
+    fkinds: dict[str, str] = {}
+    fedges: dict[tuple[str, str], list[str]] = {}
+    for n in names:
+        for g in grads[n]:
+            who = gnodes.setdefault(g.label, [])
+            if n not in who:
+                who.append(n)
+            grec.setdefault(g.label, g)
+            gops = gop.setdefault(g.label, [])
+            gops.extend(o for o in g.ops if o not in gops)  # members may link the node to different op labels
+            for nxt in g.next_labels:
+                w = gedges.setdefault((g.label, nxt), [])
+                if n not in w:
+                    w.append(n)
+            if combined:
+                for op in g.ops:
+                    w = links.setdefault((op, g.label), [])
+                    if n not in w:
+                        w.append(n)
+        if combined:
+            t = bundle[n]
+            for label, op in t._ops.items():
+                who = fnodes.setdefault(label, [])
+                if n not in who:
+                    who.append(n)
+                fkinds.setdefault(label, op.kind)
+            for e in t.graph_edges:
+                w = fedges.setdefault(tuple(e), [])
+                if n not in w:
+                    w.append(n)
+    name = "bundle_combined" if combined else "bundle_backward"
+    lines = _head(name, RANKDIR[direction or "bottomup"], th, graph_overrides, None, len(gnodes) + len(fnodes))
+    ids: dict[str, str] = {}
+
+    def member_note(text: str, who: list[str]) -> str:
+        return text if len(who) == everyone else f"{text}\nin: {', '.join(who)}"
+
+    for i, (label, who) in enumerate(fnodes.items()):
+        nid = ids[label] = f"n{i}"
+        style = th.node(fkinds[label] if fkinds[label] in ("input", "output") else "compute")
+        attrs = {"label": member_note(label, who), "style": style.style, "fillcolor": style.fill, "color": style.border}
+        attrs.update(node_overrides.get(label, {}))
+        lines.append(f"  {nid} [{_attrs(attrs)}];")
+    for i, (label, who) in enumerate(gnodes.items()):
+        gid = ids[label] = f"g{i}"
+        g = grec[label]
+        sub = f"param {g.param}" if g.param else (f"<- {', '.join(gop[label])}" if gop[label] else "")
+        style = th.node("param" if g.is_accumulate_grad else "module")
+        attrs = {"label": member_note(label + (f"\n{sub}" if sub else ""), who), "shape": "ellipse",
+                 "style": "filled", "fillcolor": style.fill, "color": style.border}
+        attrs.update(node_overrides.get(label, {}))
+        lines.append(f"  {gid} [{_attrs(attrs)}];")
+    for (src, dst), who in fedges.items():
+        eattrs: dict[str, Any] = {} if len(who) == everyone else {"label": ", ".join(who), "style": "dashed"}
+        eattrs.update(edge_overrides.get((src, dst), {}))
+        lines.append(f"  {ids[src]} -> {ids[dst]}" + (f" [{_attrs(eattrs)}]" if eattrs else "") + ";")
+    grad_colour = th.node("module").border
+    for (src, dst), who in gedges.items():
+        eattrs = {"dir": "back", "color": grad_colour}
+        if len(who) != everyone:
+            eattrs.update({"label": ", ".join(who), "style": "dashed"})
+        eattrs.update(edge_overrides.get((src, dst), {}))
+        lines.append(f"  {ids[dst]} -> {ids[src]} [{_attrs(eattrs)}];")
+    for (op, g), who in links.items():
+        if op not in ids:  # a linked op the forward union lacks cannot happen; skip rather than invent a node
+            continue
+        eattrs = {"style": "dotted", "arrowhead": "none", "constraint": "false", "color": th.cluster_border}
+        if len(who) != everyone:
+            eattrs["label"] = ", ".join(who)
+        eattrs.update(edge_overrides.get((op, g), {}))
+        lines.append(f"  {ids[op]} -> {ids[g]} [{_attrs(eattrs)}];")
+    lines.append("}")
+    return "\n".join(lines) + "\n", ids, len(fedges) + len(gedges) + len(links)
 
 
 def _members_source(bundle: Any, direction: str | None, th: Any, graph_overrides: dict, node_overrides: dict,
