@@ -421,6 +421,7 @@ class _Capture:
                 rec_m._attribute_writes = writes.get(id(m), {})
         if self.plan.kind == "select":
             apply_save(trace, self.plan)
+            rec.materialize_deferred(trace, getattr(self, "_deferred", None) or [])
         trace.backend_state = CaptureExtras(want_backward, opts.save_grads, grad_store, inference_only)
         # trace.autograd.grad_fns (issue 25, helper B): walk the output's grad_fn graph once, after the forward
         __import__("torchlens_torch.autograd_records").autograd_records.record_grad_fns(trace, rec, output)
@@ -492,9 +493,16 @@ class _Capture:
             try:
                 if rec.pending:  # what outlives the forward must not alias a payload
                     seen: set = set()
-                    if failure is None:
-                        rec.flush_reachable(output, 0, seen)
-                    rec.flush_modules(desc.modules, seen, state.reach_plan())  # attributes, parameters, buffers
+                    if failure is None and self.plan.kind == "select":
+                        # a selection keeps few payloads: module state first (the restore below
+                        # writes it), then the output's pending payloads are only set aside, and
+                        # copied after the build for the ops the selection keeps
+                        rec.flush_modules(desc.modules, seen, state.reach_plan())
+                        self._deferred = rec.defer_reachable(output, seen)
+                    else:
+                        if failure is None:
+                            rec.flush_reachable(output, 0, seen)
+                        rec.flush_modules(desc.modules, seen, state.reach_plan())  # attributes, parameters, buffers
                 if failure is None and rec.budget_error is None:
                     rec.add_outputs(list(iter_leaves(output, "output")))
             finally:

@@ -759,6 +759,47 @@ class Recorder:
                 for item in d.values():
                     self.flush_reachable(item, depth + 1, seen)
 
+    def defer_reachable(self, obj: Any, seen: set) -> list:
+        """`flush_reachable` for a `save=<selection>` capture: the pending payloads reachable
+        from `obj` (the returned output) are taken out of `pending` and returned as
+        (event, slot, tensor, version) instead of copied, so that only those of ops the
+        selection keeps are copied, after the build (`materialize_deferred`). Call it after
+        `flush_modules`: a payload that module state also reaches is copied there, before the
+        state restore can write it."""
+        found: list = []
+        self._materialize = lambda ev, slot, t, version: found.append((ev, slot, t, version))  # type: ignore
+        try:
+            self.flush_reachable(obj, 0, seen)
+        finally:
+            del self._materialize
+        return found
+
+    def materialize_deferred(self, trace: Any, deferred: list) -> None:
+        """Copy the deferred payloads of the ops `apply_save` kept (and of kept output ops
+        that share them); the others were released unread."""
+        if not deferred:
+            return
+        ops = trace._ops.values()
+        by_event = {op.event_id: op for op in ops}
+        copies: dict[int, Any] = {}  # id(the alias an event held) -> its private copy
+        for ev, slot, t, version in deferred:
+            alias = ev.outputs[slot]
+            op = by_event.get(ev.id)
+            if op is None or not op.saved:
+                continue
+            self._materialize(ev, slot, t, version)
+            outs = list(op._outputs)
+            outs[slot] = copies[id(alias)] = ev.outputs[slot]
+            op._outputs = tuple(outs)
+        aliases = {id(ev.outputs[slot]): t for ev, slot, t, _ in deferred}
+        for op in ops:
+            if op.kind == "output" and op.saved and op._outputs and op._outputs[0] is not None:
+                k = id(op._outputs[0])
+                if k in copies:
+                    op._outputs = (copies[k],) + tuple(op._outputs[1:])
+                elif k in aliases:  # its producer was not kept: the output op's own copy
+                    op._outputs = (self.save_fn(aliases[k]),) + tuple(op._outputs[1:])
+
     def flush_modules(self, modules: Any, seen: set, plan: Any = None) -> None:
         """`flush_reachable` over each module's own attributes (not torch's bookkeeping) and
         its `_parameters` / `_buffers` entries: the module state that outlives the forward.
