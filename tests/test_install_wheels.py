@@ -157,4 +157,6 @@ def test_mlx_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
     """Issue 18: a fresh venv with only the torchlens-core and torchlens-mlx wheels plus MLX
     (no torch, no jax) traces, draws, saves, loads and validates; `import torchlens` alone
     imports no framework. Skips when the MLX wheels cannot be had (no cache, no index)."""
-    backend_alone_smoke(tmp_path, "mlx", "mlx", MLX_SMOKE, download_timeout=600, run_timeout=900)
+    stdout, version, venv = backend_alone_smoke(tmp_path, "mlx", "mlx", MLX_SMOKE, download_timeout=600, run_timeout=900)
+    assert stdout.startswith("OK ") and str(venv) in stdout, stdout  # the venv's torchlens, not the repo's copy
+    assert version == "torchlens-core 0.1.0; plugins: torchlens-mlx 0.1.0", version

@@ -62,5 +62,8 @@ print("OK", tl.__file__)
 
 
 def test_paddle_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
-    backend_alone_smoke(tmp_path, "paddle", "paddlepaddle", PADDLE_SMOKE,
-                        deps=("numpy", "pluggy", "safetensors", "setuptools"), download_timeout=900, run_timeout=900)
+    stdout, version, venv = backend_alone_smoke(tmp_path, "paddle", "paddlepaddle", PADDLE_SMOKE,
+                                                deps=("numpy", "pluggy", "safetensors", "setuptools"), download_timeout=900,
+                                                run_timeout=900)
+    assert stdout.startswith("OK ") and str(venv) in stdout, stdout  # the venv's torchlens, not the repo's copy
+    assert version == "torchlens-core 0.1.0; plugins: torchlens-paddle 0.1.0", version

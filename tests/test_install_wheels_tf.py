@@ -58,4 +58,6 @@ print("OK", tl.__file__)
 
 
 def test_tf_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
-    backend_alone_smoke(tmp_path, "tf", "tensorflow", TF_SMOKE, download_timeout=1500, run_timeout=1500)
+    stdout, version, venv = backend_alone_smoke(tmp_path, "tf", "tensorflow", TF_SMOKE, download_timeout=1500, run_timeout=1500)
+    assert stdout.startswith("OK ") and str(venv) in stdout, stdout  # the venv's torchlens, not the repo's copy
+    assert version == "torchlens-core 0.1.0; plugins: torchlens-tf 0.1.0", version

@@ -71,4 +71,6 @@ print("OK", tl.__file__)
 
 
 def test_tinygrad_wheels_alone_trace_draw_save_load_validate_without_torch(tmp_path):
-    backend_alone_smoke(tmp_path, "tinygrad", "tinygrad", TINYGRAD_SMOKE, download_timeout=600, run_timeout=900)
+    stdout, version, venv = backend_alone_smoke(tmp_path, "tinygrad", "tinygrad", TINYGRAD_SMOKE, download_timeout=600, run_timeout=900)
+    assert stdout.startswith("OK ") and str(venv) in stdout, stdout  # the venv's torchlens, not the repo's copy
+    assert version == "torchlens-core 0.1.0; plugins: torchlens-tinygrad 0.1.0", version
