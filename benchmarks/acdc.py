@@ -25,7 +25,6 @@ chosen clock and in plain forwards of the same batch. The load average is record
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -52,33 +51,18 @@ def ioi_prompts(rows: int, tokens: int, vocab: int, seed: int = 0):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--rows", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    ap.add_argument("--out", default=str(RESULTS))
-    a = ap.parse_args()
+    from circuits import frozen_gpt2, model_args  # the same model and options as benchmarks/circuits.py
+
+    a = model_args(RESULTS, rounds=1).parse_args()
 
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     import torchlens as tl
     import torchlens_mechinterp as mi
     from torchlens_mechinterp.audit import logits_of
 
     clock = time.perf_counter if a.clock == "wall" else time.process_time
-    torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=a.layers, n_head=a.heads, n_embd=a.d_model, vocab_size=a.vocab,
-                                       n_positions=max(64, a.tokens), attn_implementation="eager")).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = frozen_gpt2(a)
     clean, corrupt, ta, tb = ioi_prompts(a.rows, a.tokens, a.vocab)
     rows = torch.arange(a.rows)
 

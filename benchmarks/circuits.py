@@ -32,34 +32,49 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results" / "circuits.json"
 
 
-def main() -> None:
+def model_args(results: Path, *, rounds: int) -> argparse.ArgumentParser:
+    """The GPT-2-shape options this benchmark and benchmarks/acdc.py share."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--rows", type=int, default=2)
-    ap.add_argument("--score-rows", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
-    ap.add_argument("--out", default=str(RESULTS))
-    a = ap.parse_args()
+    ap.add_argument("--out", default=str(results))
+    return ap
 
+
+def frozen_gpt2(a: argparse.Namespace):
+    """A random-init GPT-2 of the parsed shape (eager attention, frozen parameters), with the
+    thread count and seed set."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    import torchlens as tl
-    import torchlens_mechinterp as mi
-
-    clock = time.perf_counter if a.clock == "wall" else time.process_time
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=a.layers, n_head=a.heads, n_embd=a.d_model, vocab_size=a.vocab,
                                        n_positions=max(64, a.tokens), attn_implementation="eager")).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    return model
+
+
+def main() -> None:
+    ap = model_args(RESULTS, rounds=2)
+    ap.add_argument("--score-rows", type=int, default=20)
+    a = ap.parse_args()
+
+    import torch
+
+    import torchlens as tl
+    import torchlens_mechinterp as mi
+
+    clock = time.perf_counter if a.clock == "wall" else time.process_time
+    model = frozen_gpt2(a)
     g = torch.Generator().manual_seed(0)
     clean = torch.randint(0, a.vocab, (a.rows, a.tokens), generator=g)
     corrupt = torch.randint(0, a.vocab, (a.rows, a.tokens), generator=g)
