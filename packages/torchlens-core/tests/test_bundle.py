@@ -163,6 +163,9 @@ def test_comparability_grades_and_gate_codes():
         bundle.compare("a", "b")
     assert e.value.code == "bundle_gate_ordered"
     assert bundle.comparability("a", "b").comparable is False
+    # a member is not ordered against itself, even when it sits on an ordering path
+    r = bundle.comparability("a", "a")
+    assert (r.grade, r.comparable, r.ordering_path) == ("same_inputs", True, ())
 
 
 def _variant(func: str, x_value=None):

@@ -564,6 +564,7 @@ _register("InvalidArgumentError", {
     "bundle_show_kind_invalid": "bundle.show(kind=...) is not None, 'graph', 'strip', 'repr' or 'html'",
     "bundle_draw_option_invalid": "a Bundle.draw option (graph=, members=, metric=) has a value outside its vocabulary",
     "bundle_vary_mapping_invalid": "Bundle.vary was given a mapping that does not cover every member (or names others)",
+    "bundle_member_unknown": "Bundle.why / provenance.summary: a member or relative_to= name is not a member of the bundle",
 })
 _register("ArgumentTypeError", {
     "bundle_draw_keyword_unsupported": "Bundle.draw got a keyword its renderer does not support (in this graph mode)",
@@ -607,6 +608,17 @@ _register("BundleError", {
     "bundle_draw_grad_fns_missing": "Bundle.draw(graph='backward'/'combined'): a member has no grad_fn records "
                                     "(captured under no_grad, by a backend without autograd, or saved by an older "
                                     "build; fields member, reason)",
+    "bundle_why_baseline_missing": "Bundle.why / provenance.summary(): no baseline is configured and no member reads "
+                                   "pristine, and relative_to= was not given",
+    "bundle_why_lineage_indirect": "Bundle.why: the member and the reference are joined only through a shared "
+                                   "relative (siblings), not by one chain of rows pointing one way (field shared)",
+    "bundle_why_lineage_ambiguous": "Bundle.why: several relation paths join the member and the reference, so no "
+                                    "one chain is exact (field paths)",
+    "bundle_why_lineage_opaque": "Bundle.why: the member and the reference are joined only through rows of "
+                                 "unregistered (opaque) kinds, which are never interpreted",
+    "bundle_episode_id_unknown": "Bundle.episode_status: no episode_member row carries this episode_id (field known)",
+    "bundle_episode_ledger_invalid": "Bundle.episode_status: episode_ledger= is malformed, records another episode, "
+                                     "or does not list exactly the episode's members (plus absent steps)",
 })
 _register("ArtifactError", {
     "bundle_artifact_malformed": "a saved bundle's manifest.json or relations.json is malformed or does not match "

@@ -13,7 +13,11 @@ from torchlens.bundle.metrics import METRICS
 from torchlens.bundle.relations import MemberRelationRow, OpaqueRelationRow, RelationGrade
 from torchlens.bundle.tokens import TokenDivergence, TokenPairs
 from torchlens.bundle.views import ComparisonMatrix, SuperOp, SuperParam
+from torchlens.bundle.why import (BundleProvenance, EpisodeFoldResult, PayloadFidelity, ProvenanceRow, ProvenanceSummary,
+                                  ValueResidual, WhyLink, WhyReport)
 
 __all__ = ["Bundle", "CompareRows", "StoredComparison", "snapshot_params", "METRICS", "MemberRelationRow",
            "OpaqueRelationRow", "RelationGrade", "ComparisonMatrix", "SuperOp", "SuperParam", "TokenBinding",
-           "TokenDivergence", "TokenPairs", "attach_sidecar", "AlternativeCall", "AlternativeReport"]
+           "TokenDivergence", "TokenPairs", "attach_sidecar", "AlternativeCall", "AlternativeReport",
+           "WhyReport", "WhyLink", "PayloadFidelity", "ValueResidual", "ProvenanceRow", "ProvenanceSummary",
+           "BundleProvenance", "EpisodeFoldResult"]

@@ -244,6 +244,31 @@ class Bundle:
                 later.setdefault(e, []).append(late)
         return _walk(name, later)
 
+    # provenance and episodes (experimental; computed when read, never stored) ----------------
+    def why(self, member: str, relative_to: str | None = None) -> Any:
+        """A `WhyReport` of `member` against the baseline (or `relative_to`): the exact chain of
+        relation rows joining them with its lineage status, payload fidelity, value residual
+        and comparability as separate axes. Raises `bundle_why_lineage_*` when no exact chain
+        exists (see torchlens.bundle.why)."""
+        from torchlens.bundle.why import why
+
+        return why(self, member, relative_to)
+
+    @property
+    def provenance(self) -> Any:
+        """`b.provenance.summary()`: the per-member list of `why`'s facts against the baseline."""
+        from torchlens.bundle.why import BundleProvenance
+
+        return BundleProvenance(self)
+
+    def episode_status(self, episode_id: Any, *, episode_ledger: Any = None) -> Any:
+        """Fold the capture outcomes of the members `episode_member` rows name under
+        `episode_id` into a derived `EpisodeFoldResult` (never stored); statuses that need an
+        episode record read `episode_unknown` without `episode_ledger=`."""
+        from torchlens.bundle.why import episode_status
+
+        return episode_status(self, episode_id, episode_ledger)
+
     # the comparison gate -------------------------------------------------------------------
     def _fact(self, kind: str, name: str) -> Any:
         key = (kind, name, id(self._members[name]))

@@ -320,7 +320,10 @@ def walk(start: str, edges: Mapping[str, list[str]]) -> list[str]:
 
 
 def ordering_path(rows: Iterable[MemberRelationRow], a: str, b: str) -> tuple[str, ...]:
-    """Member names of a directed ordering path between `a` and `b` (later first), or ()."""
+    """Member names of a directed ordering path between `a` and `b` (later first), or ()
+    (also for `a == b`: a member is not ordered against itself)."""
+    if a == b:
+        return ()
     edges = earlier_of(rows)
     for src, dst in ((a, b), (b, a)):
         prev: dict[str, str] = {}
