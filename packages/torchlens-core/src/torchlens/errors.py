@@ -584,6 +584,8 @@ _register("BundleError", {
     "bundle_relation_schema_invalid": "a relation row's kind, members or params are malformed",
     "bundle_relation_member_missing": "a relation row names a member the bundle does not hold",
     "bundle_relation_evidence_over_budget": "a relation row's evidence is larger than 1 MiB (as JSON)",
+    "bundle_relation_evidence_site_missing": "an evidence item's claim names a site (op label) or param address its "
+                                             "member does not have (fields kind, item, member, missing)",
     "bundle_relation_span_out_of_bounds": "a fed_by token span reaches past the end of a member's bound token stream",
     "bundle_relation_span_unverified": "a fed_by row claims verified/matched spans that the members' bound token "
                                        "streams contradict (ids differ, a source span outside the completion range, "

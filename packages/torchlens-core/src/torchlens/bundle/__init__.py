@@ -8,6 +8,7 @@ difference with `draw(graph="diff")`, save it with `save`. See docs/guides/bundl
 from torchlens.bundle.alternative import AlternativeCall, AlternativeReport
 from torchlens.bundle.binding import TokenBinding, attach_sidecar
 from torchlens.bundle.core import Bundle, CompareRows, StoredComparison
+from torchlens.bundle.evidence import value_digest
 from torchlens.bundle.guard import snapshot_params
 from torchlens.bundle.metrics import METRICS
 from torchlens.bundle.relations import MemberRelationRow, OpaqueRelationRow, RelationGrade
@@ -20,4 +21,4 @@ __all__ = ["Bundle", "CompareRows", "StoredComparison", "snapshot_params", "METR
            "OpaqueRelationRow", "RelationGrade", "ComparisonMatrix", "SuperOp", "SuperParam", "TokenBinding",
            "TokenDivergence", "TokenPairs", "attach_sidecar", "AlternativeCall", "AlternativeReport",
            "WhyReport", "WhyLink", "PayloadFidelity", "ValueResidual", "ProvenanceRow", "ProvenanceSummary",
-           "BundleProvenance", "EpisodeFoldResult"]
+           "BundleProvenance", "EpisodeFoldResult", "value_digest"]

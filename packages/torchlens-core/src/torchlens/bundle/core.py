@@ -198,6 +198,7 @@ class Bundle:
         return self
 
     def _append_rows(self, items: list[Any], opaque_ok: bool = False) -> None:
+        from torchlens.bundle.evidence import check_sites
         from torchlens.bundle.tokens import settle
 
         rows = [make_row(i, self._members, opaque_ok) for i in items]
@@ -205,6 +206,9 @@ class Bundle:
         # fed_by spans must lie inside both members' bound streams; a verified/matched claim is
         # re-checked against the token-stream bindings (verified, declared, or refused)
         rows = [settle(r, self._members) for r in rows]
+        for r in rows:  # evidence claims name sites / params the members have
+            if isinstance(r, MemberRelationRow):
+                check_sites(r, self._members)
         self._rows.extend(rows)
 
     def token_pairs(self, reader: str, source: str) -> Any:

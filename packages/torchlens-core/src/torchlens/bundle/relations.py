@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
+from torchlens.bundle.evidence import check_claim
 from torchlens.errors import BundleError
 
 PAIR_KINDS = ("alternative_of", "forked_from", "successor_of", "escalates", "fed_by", "selected_by")
@@ -171,6 +172,7 @@ def _check_items(kind: str, evidence: Mapping[str, Any], seams: Any) -> dict[str
         if item.get("grade") not in (None, "unchecked", "disclosed") + MEASURED_GRADES:
             raise _bad(f"evidence item {i}: grade {item.get('grade')!r} is not unchecked, disclosed, verified, "
                        "consistent or divergent", kind=kind, item=i)
+        check_claim(i, item, lambda why, **f: _bad(why, kind=kind, **f))  # a checked claim (bundle.evidence)
         if item.get("grade") in MEASURED_GRADES:
             item["declared_grade"] = item["grade"]
             item["grade"] = "disclosed"
@@ -357,8 +359,9 @@ class RelationGrade:
     """One row's derived grade (experimental); computed when read, never stored. A bare row,
     a carry_mode="none" fresh start and a row whose items are all disclosed grade `disclosed`;
     a fed_by row whose token spans re-check against the bindings now grades `verified`
-    (`divergent` when they no longer do); items TorchLens has no check for yet grade the row
-    `unchecked` with reason `evidence_checks_unbuilt`."""
+    (`divergent` when they no longer do); evidence items with a claim are checked against the
+    members' saved values when read (torchlens.bundle.evidence: verified, consistent,
+    divergent, broken; unchecked with reasons when a value cannot be read)."""
 
     kind: str
     members: tuple[str, ...]
@@ -382,21 +385,15 @@ def grade(row: MemberRelationRow | OpaqueRelationRow, members: Mapping[str, Any]
         except BundleError:
             return RelationGrade(row.kind, row.members, "divergent")
         return RelationGrade(row.kind, row.members, "verified" if basis == "verified" else "disclosed")
+    from torchlens.bundle.evidence import grade_items
+
     evidence = row.params.get("evidence")
     items = list(evidence.get("items") or ()) if isinstance(evidence, Mapping) else []
-    by_class: dict[str, int] = {}
-    by_grade: dict[str, int] = {}
-    for item in items:
-        cls, g = item.get("class"), item.get("grade") or "unchecked"
-        if cls is not None:
-            by_class[cls] = by_class.get(cls, 0) + 1
-        by_grade[g] = by_grade.get(g, 0) + 1
+    g = grade_items(row, items, members)  # claims checked against the members' values now
+    by_class = g.pop("items_by_class")
     exogenous = sum(n for c, n in by_class.items() if c in EXOGENOUS_CLASSES)
-    facts = dict(items_by_class=MappingProxyType(by_class), items_by_grade=MappingProxyType(by_grade),
-                 exogenous_items=exogenous)
-    if not items or set(by_grade) == {"disclosed"}:
-        return RelationGrade(row.kind, row.members, "disclosed", **facts)
-    return RelationGrade(row.kind, row.members, "unchecked", unchecked_reasons=("evidence_checks_unbuilt",), **facts)
+    return RelationGrade(row.kind, row.members, g.pop("grade"), items_by_class=MappingProxyType(by_class),
+                         items_by_grade=MappingProxyType(g.pop("items_by_grade")), exogenous_items=exogenous, **g)
 
 
 __all__ = ["MemberRelationRow", "OpaqueRelationRow", "RelationGrade", "PAIR_KINDS", "MEMBER_KINDS", "ORDERING_KINDS", "make_row",
