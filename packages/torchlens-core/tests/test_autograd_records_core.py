@@ -4,6 +4,7 @@ backward / combined bundle drawings from hand-written records on reference trace
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -118,3 +119,58 @@ def test_member_without_records_refuses_before_writing(tmp_path):
     assert e.value.code == "bundle_draw_grad_fns_missing" and e.value.fields["member"] == "plain"
     assert "numpy backend" in e.value.fields["reason"] and "graph='forward'" in e.value.remedy
     assert not (tmp_path / "x.dot").exists()
+
+
+def _deferred(calls):
+    """A trace whose backend deferred its grad_fn rows to the first read (as torch's save="all"
+    capture does): the rows exist only once `Provenance.settle_extra` runs the pending entry."""
+    t = example_trace("mlp")
+
+    def walk():
+        calls.append(1)
+        t.provenance.extra["grad_fns"] = {"format": 1, "roots": [ROWS[0][0]], "rows": [list(r) for r in ROWS]}
+
+    t.provenance.__dict__["_deferred_extra"] = {"grad_fns": walk}
+    return t
+
+
+def test_a_deferred_walk_runs_once_on_the_first_read():
+    calls = []
+    t = _deferred(calls)
+    assert "grad_fns" not in t.provenance.extra and not calls
+    assert t.autograd.grad_fn_order == tuple(r[0] for r in ROWS) and calls == [1]
+    assert t.autograd.grad_fns["relu_1_2"].label == "ReluBackward0_1" and calls == [1]  # settled: not again
+    assert not t.provenance.__dict__["_deferred_extra"]
+
+
+def test_save_export_pickle_and_cleanup_settle_a_deferred_walk(tmp_path):
+    import pickle
+
+    import torchlens as tl
+
+    expect = _with_rows().autograd.grad_fns
+    for how in ("save", "export", "pickle", "cleanup", "draw"):
+        calls = []
+        t = _deferred(calls)
+        if how == "save":
+            t.save(str(tmp_path / "t.tlspec"))
+            back = tl.load(str(tmp_path / "t.tlspec"))
+        elif how == "export":
+            back = tl.export.safetensors(t, str(tmp_path / "t.safetensors"))
+            back = tl.io.read_safetensors(str(tmp_path / "t.safetensors"))
+        elif how == "pickle":
+            back = pickle.loads(pickle.dumps(t.provenance))
+            assert "_deferred_extra" not in back.__dict__
+        elif how == "cleanup":
+            t.cleanup()
+            back = t
+        else:
+            Bundle({"a": t}).draw(tmp_path / "bw.dot", graph="backward")
+            back = t
+        assert calls == [1], how  # the walk ran before the rows were needed
+        if how == "export":  # the header keeps provenance.extra as tagged JSON
+            assert "ReluBackward0_1" in json.dumps(back.trace_fields["provenance.extra"], default=str)
+            continue
+        extra = back.provenance.extra if hasattr(back, "provenance") else back.extra
+        assert extra["grad_fns"]["rows"] == [list(r) for r in ROWS], how
+    assert t.autograd.grad_fns == expect

@@ -142,6 +142,7 @@ def test_input_requiring_grad_links_its_accumulate_grad_to_the_input_op():
 def test_no_grad_capture_has_no_records_and_says_why():
     with torch.no_grad():
         t = tl.trace(MLP(), torch.randn(2, 3))
+    assert not _pending(t)  # nothing to walk: the reason is stored at capture time, no node is held
     a = t.autograd
     assert a.grad_fns is None and a.grad_fn_order is None and a.grad_fn_calls is None
     assert "no_grad" in a.unavailable["grad_fns"]
@@ -282,13 +283,18 @@ def test_member_without_grad_fn_records_refuses_naming_it(tmp_path):
 def test_a_graph_the_walk_cannot_read_leaves_no_records_and_the_capture_stands(monkeypatch):
     import torchlens_torch.autograd_records as records
 
-    def broken(trace, rec, output):
+    def broken(*args):
         raise RuntimeError("next_functions unavailable")
 
-    monkeypatch.setattr(records, "_record", broken)
+    monkeypatch.setattr(records, "_walk", broken)
+    # deferred (save="all") and eager (save="none"): the failure is kept as the reason either way
+    for save in ("all", "none"):
+        t = tl.trace(MLP(), torch.randn(2, 3), save=save)
+        assert t.output.shape == (2, 2) and t.autograd.grad_fns is None
+        assert "next_functions unavailable" in t.autograd.unavailable["grad_fns"]
+    monkeypatch.setattr(records, "_prepare", broken)  # the part read at capture time
     t = tl.trace(MLP(), torch.randn(2, 3))
-    assert t.output.shape == (2, 2) and t.autograd.grad_fns is None
-    assert "next_functions unavailable" in t.autograd.unavailable["grad_fns"]
+    assert t.output.shape == (2, 2) and "next_functions unavailable" in t.autograd.unavailable["grad_fns"]
 
 
 def test_an_ablated_member_keeps_the_labels_of_the_nodes_it_still_runs(tmp_path):
@@ -327,3 +333,252 @@ def test_save_stats_capture_links_grad_fns_of_outs_freed_during_the_forward():
         rows = lambda gf: [(g.label, g.name, g.ops, g.next_labels, g.param) for g in gf]  # noqa: E731
         assert rows(folded) == rows(full)
         assert sum(1 for g in folded if g.ops) >= 3  # the links are there, not all empty on both sides
+
+
+# --- the walk deferred to the first read (issue 26) -------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    """Conv, eval batch norm, in-place ReLU, a residual add and a pooled linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = torch.relu_(self.bn(self.conv(x)))
+        h = h + self.conv2(h)
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def _stored(t):
+    """The stored record dict, read through the accessor (which settles a deferred walk)."""
+    assert t.autograd.grad_fns is not None
+    return t.provenance.extra["grad_fns"]
+
+
+def _pending(t) -> bool:
+    return bool(t.provenance.__dict__.get("_deferred_extra"))
+
+
+def _eager(monkeypatch):
+    """Force the walk at capture time (the issue-25 behaviour) for the captures that follow."""
+    import torchlens_torch.autograd_records as records
+
+    monkeypatch.setattr(records, "_holds_every_seed", lambda *a: False)
+
+
+def _cases():
+    torch.manual_seed(0)
+    return [(MLP(extra=True), torch.randn(2, 3)), (Branchy(), torch.randn(2, 4, requires_grad=True)),
+            (SmallCNN().eval(), torch.randn(1, 3, 6, 6))]
+
+
+def test_deferred_records_equal_the_eager_walk(monkeypatch):
+    """A save="all" capture walks nothing until the first read; what it then stores equals the
+    rows the walk at capture time stores (labels, edges, input_nr, op links, parameters)."""
+    lazy = []
+    for model, x in _cases():
+        t = tl.trace(model, x)
+        assert _pending(t) and "grad_fns" not in t.provenance.extra  # nothing walked yet
+        lazy.append(t)
+    _eager(monkeypatch)
+    for (model, x), t in zip(_cases(), lazy):
+        e = tl.trace(model, x)
+        assert not _pending(e) and "grad_fns" in e.provenance.extra  # walked during the capture
+        assert _stored(t) == e.provenance.extra["grad_fns"]
+        assert not _pending(t)  # the read ran it, once
+        mapping, _ = _pair(t.output.grad_fn, t.autograd.grad_fns)  # and it is torch's graph
+        assert len(mapping) == len(t.autograd.grad_fns)
+    # which captures defer: only where the trace's payloads already hold the whole graph
+    model, x = _cases()[0]
+    monkeypatch.undo()
+    assert _pending(tl.trace(model, x, capture=tl.CaptureOptions(save_mode="reference")))
+    for save, capture in (("none", None), ("stats", None), ("all", tl.CaptureOptions(detach_saved_activations=True)),
+                          ("all", tl.CaptureOptions(save_mode="view")), ("all", tl.CaptureOptions(backward_ready=True)),
+                          (["linear_1_1"], None)):
+        t = tl.trace(model, x, save=save, capture=capture)
+        assert not _pending(t) and t.provenance.extra["grad_fns"]["rows"], (save, capture)
+
+
+def test_output_changed_in_place_after_capture_keeps_the_capture_graph(monkeypatch):
+    """The roots are the output's grad_fns at the end of the forward, not whatever the output
+    tensor carries when the records are first read."""
+    model, x = _cases()[2]
+    t = tl.trace(model, x)
+    before = t.output.grad_fn
+    t.output.mul_(3)  # a new grad_fn on the output: MulBackward0 -> the capture's AddmmBackward0
+    assert t.output.grad_fn is not before and type(t.output.grad_fn).__name__ == "MulBackward0"
+    rows = _stored(t)
+    assert not any(r[1] == "MulBackward0" for r in rows["rows"])
+    _eager(monkeypatch)
+    assert rows == _stored(tl.trace(model, x))
+    assert rows["roots"] == [_pair(before, t.autograd.grad_fns)[0][id(before)]]
+
+
+def test_backward_before_the_first_read_gives_the_same_records(monkeypatch):
+    """A backward frees the saved tensors, not the graph: next_functions and
+    AccumulateGrad.variable stay readable, so the deferred walk still gives the eager records."""
+    lazy = []
+    for model, x in _cases():
+        t = tl.trace(model, x)
+        t.output.sum().backward()
+        assert _pending(t)
+        lazy.append(t)
+    _eager(monkeypatch)
+    for (model, x), t in zip(_cases(), lazy):
+        assert _stored(t) == _stored(tl.trace(model, x))
+        params = dict(model.named_parameters())
+        assert {g.param for g in t.autograd.grad_fns if g.param} == set(params)
+
+
+def test_save_and_pickle_before_the_first_read_keep_the_records(tmp_path, monkeypatch):
+    import pickle
+
+    model, x = _cases()[1]
+    t = tl.trace(model, x)
+    assert _pending(t)
+    path = str(tmp_path / "t.tlspec")
+    t.save(path)  # the save settles the walk first: the file holds the records
+    t2 = tl.trace(model, x)
+    copied = pickle.loads(pickle.dumps(t2.provenance))
+    _eager(monkeypatch)
+    eager = _stored(tl.trace(model, x))
+    assert tl.load(path).provenance.extra["grad_fns"] == eager == _stored(t)
+    assert copied.extra["grad_fns"] == eager and not copied.__dict__.get("_deferred_extra")
+    assert not _pending(t) and not _pending(t2)
+
+
+def test_a_fork_reads_the_records_after_its_root_is_gone(monkeypatch):
+    import gc
+
+    model, x = _cases()[0]
+    t = tl.trace(model, x)
+    fork = t.fork()
+    del t
+    gc.collect()
+    _eager(monkeypatch)
+    assert _stored(fork) == _stored(tl.trace(model, x))
+
+
+class Discards(nn.Module):
+    """Computes a branch it does not return: the branch's autograd nodes hold `u` for
+    backward, and nothing else does once the forward is over (unless the capture keeps it)."""
+
+    probe: list = []
+    probe_h: list = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        import weakref
+
+        h = self.a(x)  # saved by the returned linear's AddmmBackward0
+        Discards.probe_h.append(weakref.ref(h))
+        u = torch.sin(h)
+        v = u * u  # noqa: F841 - discarded: MulBackward0 saves u
+        Discards.probe.append(weakref.ref(u))
+        return self.b(h)
+
+
+def test_deferred_walk_keeps_nothing_alive_the_eager_walk_released():
+    """save="none" / "stats" walk at once: the discarded branch's saved activation is freed
+    when the capture returns, as before. save="all" defers: its payloads hold that activation
+    anyway (eager too), and cleanup() settles the walk and releases it with the payloads; the
+    output's own graph goes when the caller drops the output."""
+    import gc
+
+    model, x = Discards(), torch.randn(2, 3)
+    for save in ("none", "stats"):
+        t = tl.trace(model, x, save=save)
+        gc.collect()
+        assert Discards.probe[-1]() is None, save  # released by the capture, nothing waits on it
+        assert t.autograd.grad_fns is not None
+    t = tl.trace(model, x)
+    gc.collect()
+    assert _pending(t) and Discards.probe[-1]() is not None  # the payloads hold it (as for an eager walk)
+    out = t.output
+    t.cleanup()
+    gc.collect()
+    assert Discards.probe[-1]() is None  # the pending walk went with the payloads
+    assert not _pending(t)
+    assert len(t.autograd.grad_fns) > 0  # the records stay readable after cleanup
+    assert Discards.probe_h[-1]() is not None  # the caller's output still holds its graph
+    del out
+    gc.collect()
+    assert Discards.probe_h[-1]() is None  # and nothing else does
+
+
+def test_every_node_a_deferred_walk_holds_is_held_by_the_trace_already():
+    """The memory rule for the captures that defer: each root and seed node the pending walk
+    holds is reachable from a payload the trace keeps or from its output, so holding them
+    keeps nothing alive that the trace would otherwise release."""
+    for model, x in _cases():
+        for capture in (None, tl.CaptureOptions(save_mode="reference")):
+            t = tl.trace(model, x, capture=capture)
+            walk = t.provenance.__dict__["_deferred_extra"]["grad_fns"]
+            roots, found = walk.args[0], walk.args[1]
+            held, todo = {}, [o.grad_fn for op in t._ops.values() for o in op._outputs if isinstance(o, torch.Tensor)]
+            todo.append(t.output.grad_fn)
+            while todo:
+                n = todo.pop()
+                if n is not None and id(n) not in held:
+                    held[id(n)] = n
+                    todo.extend(m for m, _ in n.next_functions)
+            assert found and all(id(g) in held for _, g in found) and all(id(r) in held for r in roots)
+
+
+def test_grad_fn_calls_ignore_a_backward_through_another_capture_of_the_same_model():
+    """torch shares a parameter's AccumulateGrad node between live graphs: a backward through
+    one capture's graph (or a loss on a parameter alone) runs it, and must not be recorded as
+    a run of another capture's graph."""
+    torch.manual_seed(0)
+    model = MLP()
+    opts = tl.CaptureOptions(backward_ready=True)
+    first = tl.trace(model, torch.randn(2, 3), capture=opts)
+    second = tl.trace(model, torch.randn(2, 3), capture=opts)
+    mapping, hold = _pair(second.output.grad_fn, second.autograd.grad_fns)
+    fired = []
+    for n in hold:
+        n.register_prehook(lambda g, n=n: fired.append(mapping[id(n)]))
+    second.backward(second.output.sum())
+    model.a.weight.sum().backward()  # a loss on a parameter alone: runs the shared AccumulateGrad only
+    assert first.autograd.grad_fn_calls is None and "no backward pass" in first.autograd.unavailable["grad_fn_calls"]
+    assert [c.label for c in second.autograd.grad_fn_calls] == fired[:len(second.autograd.grad_fns)]
+    assert len(second.autograd.grad_fn_calls) == len(second.autograd.grad_fns)
+    first.backward(first.output.sum())  # its own backward is recorded in full
+    assert len(first.autograd.grad_fn_calls) == len(first.autograd.grad_fns)
+
+
+def test_a_second_reader_waits_for_a_deferred_walk_another_thread_is_running():
+    """Two threads read one trace's records: the one that does not run the walk waits for it
+    instead of reading "no records" while the walk is under way."""
+    import threading
+    import time
+
+    model, x = _cases()[0]
+    t = tl.trace(model, x)
+    pending = t.provenance.__dict__["_deferred_extra"]
+    (key, walk), = pending.items()
+    started = threading.Event()
+
+    def slow_walk():
+        started.set()
+        time.sleep(0.3)  # a long walk: the second reader arrives while it runs
+        walk()
+
+    pending[key] = slow_walk
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault("first", t.autograd.grad_fns))
+    first.start()
+    assert started.wait(5)
+    got["second"] = t.autograd.grad_fns  # arrives mid-walk
+    first.join(5)
+    assert got["second"] is not None and got["first"] is not None
+    assert got["second"].labels == got["first"].labels and len(got["second"]) > 0

@@ -235,6 +235,7 @@ def encode_tables(trace: Any, enc: Encoder) -> dict[str, dict[str, Any]]:
     """Every record of `trace` as typed tables (payloads collected in `enc`)."""
     prov, cost = trace.provenance, trace.cost
     prov.param_hash_full  # noqa: B018 - computed now while the live values are held, so the file keeps it
+    prov.settle_extra()  # extra entries deferred to their first read (torch's grad_fn records)
     annotations = dict(trace.annotations)
     armed = len(trace.armed_edits) if trace._intervention is not None else 0
     if armed:  # the saved trace keeps its armed gradient rules (intervention.json) and says how many

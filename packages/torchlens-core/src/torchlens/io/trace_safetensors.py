@@ -71,6 +71,7 @@ def write_safetensors(trace: Any, path: Any, overwrite: bool = False) -> Path:
     codec = backend_codec(trace._backend) if trace._backend is not None else backend_codec(None)
     prov = trace.provenance
     prov.param_hash_full  # noqa: B018 - computed now while the live values are held, so the export keeps it
+    prov.settle_extra()  # extra entries deferred to their first read (torch's grad_fn records)
     header: dict[str, Any] = {
         "schema": SCHEMA, "format_version": FORMAT_VERSION, "format_digest": SCHEMA_DIGEST, "codec": codec.name,
         "accuracy": {"backend": prov.backend, "backend_version": prov.backend_version,

@@ -1,9 +1,11 @@
 """Portable grad_fn records: `trace.autograd.grad_fns`, `grad_fn_order`, `grad_fn_calls`.
 
-A backend that builds an autograd graph during the forward (torch) walks it once after the
-forward, from the outputs' grad_fn nodes along `next_functions`, and stores one plain row per
-node in `trace.provenance.extra["grad_fns"]` (saved with the trace; no live autograd object
-is kept in the artifact). This module turns those rows back into frozen `GradFn` records.
+A backend that builds an autograd graph during the forward (torch) walks it once, from the
+outputs' grad_fn nodes along `next_functions`, and stores one plain row per node in
+`trace.provenance.extra["grad_fns"]` (saved with the trace; no live autograd object is kept
+in the artifact). This module turns those rows back into frozen `GradFn` records. The walk
+may be deferred to the first read: every read goes through `grad_fn_rows`, which settles it
+(`Provenance.settle_extra`; a save, a pickle and `Trace.cleanup()` settle it too).
 
 Stored form (format 1), a dict:
     {"format": 1, "roots": [label, ...], "rows": [[label, type_name, next, ops, param], ...]}
@@ -167,7 +169,12 @@ class GradFnCollection:
 
 
 def grad_fn_rows(trace: Any) -> tuple[Any, str | None]:
-    """(the stored record dict, None) or (None, why there are no records)."""
+    """(the stored record dict, None) or (None, why there are no records). The one reader of
+    the stored records: a backend that deferred its walk to the first read (torch) runs it
+    here (`Provenance.settle_extra`), so no reader sees a half-built state."""
+    settle = getattr(trace.provenance, "settle_extra", None)
+    if settle is not None:
+        settle()
     extra = getattr(trace.provenance, "extra", None) or {}
     stored = extra.get(EXTRA_KEY)
     backend = getattr(trace.provenance, "backend", "?")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy as _copy
+import threading
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 from typing import TYPE_CHECKING, Any, Iterator
@@ -40,6 +41,10 @@ def _scope(value: Any) -> Any:
 
     raise ArtifactError("distributed_scope_invalid", f"provenance distributed_scope {value!r} is not None or 'rank_local_shard'",
                         remedy="load an artifact TorchLens wrote, unedited", field="distributed_scope")
+
+
+#: held while deferred `Provenance.extra` entries are settled (one walk; other readers wait for it)
+_SETTLE_LOCK = threading.RLock()
 
 
 @dataclass
@@ -195,10 +200,23 @@ class Provenance:
         why.update({k: v for k, v in never.items() if self.extra.get(k) is None})
         return why
 
+    def settle_extra(self) -> None:
+        """Run the `extra` entries a backend deferred to their first read (torch: the grad_fn
+        walk behind `extra["grad_fns"]`, which `trace.autograd` reads through this), once.
+        A save, an export, a pickle and `Trace.cleanup()` call it first, so none of them sees
+        an entry missing that an eager capture would have written."""
+        pending = self.__dict__.get("_deferred_extra")
+        if pending is None:
+            return
+        with _SETTLE_LOCK:  # a second reader waits for the walk instead of seeing no entry
+            while pending:
+                pending.pop(next(iter(pending)))()
+
     def __getstate__(self) -> dict[str, Any]:
         self.fingerprint  # noqa: B018 - lazy facts are settled so the copy keeps them
+        self.settle_extra()
         state = dict(self.__dict__)
-        for lazy in ("_param_hasher", "_fingerprinter"):
+        for lazy in ("_param_hasher", "_fingerprinter", "_deferred_extra"):
             state.pop(lazy, None)  # they hold the live trace/model; a copy keeps what was computed
         return state
 
@@ -564,10 +582,12 @@ class Trace(TraceLike):
         outputs and gradients, the live forward return (with its autograd graph), the
         backend's state (the gradient store) and the intervention state (staged values,
         evidence). The records stay readable (labels, shapes, dtypes, dataflow, modules,
-        options, provenance). Afterwards `op.out`, `op.grad` and `trace.output` refuse with
+        options, provenance; records a backend deferred to their first read, such as torch's
+        grad_fn records, are taken first, then the graph they waited on is released). Afterwards `op.out`, `op.grad` and `trace.output` refuse with
         `PayloadUnavailableError` code `trace_cleaned_up`. Calling it again does nothing;
         forks and copies made earlier hold their own references and keep them. Saving a
         cleaned trace writes its records without payloads."""
+        self.provenance.settle_extra()  # records deferred to their first read (grad_fns) stay readable
         for op in self._ops.values():
             op._outputs, op.saved, op.grads = (), False, None
             if type(op) is Op:
