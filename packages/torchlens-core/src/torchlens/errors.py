@@ -994,6 +994,30 @@ _register("InvalidArgumentError", {
 })
 
 
+# --- area: runnable (issue 25: trace.save(level="runnable"), trace.runnable, Readiness) ---
+_register("ArtifactError", {
+    "runnable_capture_not_replayable": "save(level='runnable') of a trace not captured with "
+                                       "CaptureOptions(replayable=True), or captured with save_mode other than 'copy'",
+    "runnable_trace_edited": "save(level='runnable') of a trace that was intervened on (edits, a recipe, direct "
+                             "writes): the artifact would not be the captured forward",
+    "runnable_op_unsupported": "save(level='runnable'): an op on the taken path has no name in the backend's "
+                               "closed callable table, an argument with no portable encoding, an input at a path "
+                               "other than args[i] / kwargs['k'], or the capture marked it not re-executable",
+    "runnable_payload_missing": "save(level='runnable'): a value the run needs (a buffer's or a constant's saved "
+                                "payload) was not saved by the capture",
+    "runnable_state_missing": "save(level='runnable'): the capture-time parameter snapshot is missing or does "
+                              "not match the parameter records",
+    "runnable_descriptor_invalid": "load of a runnable artifact: the manifest's runnable object, "
+                                   "runnable/descriptor.json or runnable/state.safetensors is malformed or does not "
+                                   "match the trace's records",
+})
+_register("InvalidArgumentError", {
+    "runnable_input_mismatch": "Runnable.run got inputs whose count, names, shapes or dtypes differ from the "
+                               "captured inputs, or a value the backend cannot hold",
+    "runnable_unavailable": "Runnable.run of an artifact whose readiness is 'unavailable' (the reasons say why)",
+})
+
+
 def register_codes(cls_name: str, codes: Mapping[str, str]) -> None:
     """Register further codes (used by `tl.backends` for the refusal codes)."""
     _register(cls_name, codes)

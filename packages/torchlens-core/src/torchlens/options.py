@@ -42,7 +42,9 @@ class CaptureOptions:
       `backward_ready=True` (the effective value `trace.options` reports), so an enclosing
       `torch.no_grad()` does not make the capture inference-only; `inference_only=True`
       with it refuses `capture_option_invalid`. `torchlens.mechinterp.patch_edges` refuses a
-      trace captured without it (`mi_edge_patch_not_replayable`).
+      trace captured without it (`mi_edge_patch_not_replayable`). It also implies
+      `snapshot_params=True`: the capture-time parameter values a `level="runnable"` save
+      writes (`torchlens.io.runnable`); buffers come from the buffer ops' saved copies.
     """
 
     save_mode: str = "copy"
@@ -86,6 +88,9 @@ class CaptureOptions:
                                            "(a replayable capture keeps its backward graph)",
                                            remedy="drop inference_only or replayable", field="replayable")
             object.__setattr__(self, "backward_ready", True)  # replayable asks for a backward (glossary)
+            # the capture-time parameter snapshot a runnable save writes (runnable/state.safetensors),
+            # taken by the existing snapshot path as the capture's last step (bundle.guard)
+            object.__setattr__(self, "snapshot_params", True)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -35,7 +35,7 @@ from torchlens.io.manifest import (FORMAT, FORMAT_VERSION, MANIFEST_NAME, MAX_MA
 from torchlens.io.intervention import RECIPE_BLOB
 from torchlens.io.schema import RECORD_KINDS, SCHEMA_DIGEST, SCHEMAS, Decoder, Encoder, check_table, site_key
 
-LEVELS = ("full",)
+LEVELS = ("full", "runnable")  # "runnable": io.runnable (a replayable capture only)
 SHARD_BYTES = 64 * 1024 * 1024  # small enough that shards hash and write in parallel
 _MAX_RECORD_BYTES = 1024 * 1024 * 1024
 
@@ -48,6 +48,10 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
                             remedy="save with level='full'", level=repr(level))
     if not isinstance(overwrite, bool):
         raise _arg("overwrite= takes True or False")
+    if level == "runnable":
+        from torchlens.io import runnable
+
+        runnable.check_saveable(trace)  # its refusals come before anything is written
     target = _as_path(path)
     proof = _check_save_target(target, overwrite)
     codec = backend_codec(trace._backend) if trace._backend is not None else backend_codec(None)
@@ -85,6 +89,8 @@ def save(trace: Any, path: Any, level: str = "full", overwrite: bool = False) ->
             files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
         if recipe is not None:
             files.update(write_recipe_files(tmp, *recipe))
+        if level == "runnable":  # runnable/descriptor.json + state.safetensors, listed by manifest["runnable"]
+            manifest["runnable"] = runnable.write(tmp, trace, enc)
 
         def write(item: tuple[str, list[tuple[str, EncodedPayload]]]) -> tuple[str, int, str]:
             name, entries = item
@@ -302,7 +308,7 @@ def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
     repair(bundle)
     manifest = read_manifest(bundle)
     files = manifest["files"]
-    _check_layout(bundle, files)
+    _check_layout(bundle, files, manifest.get("runnable"))
     tables = {}
     for kind in RECORD_KINDS:
         name = f"records/{kind}.json"
@@ -347,6 +353,12 @@ def _open(bundle: Path, lazy: bool, decode: bool) -> Any:
     trace = rebuild_trace(rows, manifest, attach_backend=decode)
     if state is not None:
         restore_state(trace, state)
+    if "runnable" in manifest:  # digests, the descriptor against the records; then trace.runnable
+        from torchlens.io import runnable
+
+        rn = runnable.read(bundle, manifest, trace if decode else None)
+        if rn is not None:
+            trace.__dict__["_runnable"] = rn
     return trace
 
 
@@ -376,7 +388,13 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
         raise ArtifactError("artifact_read_failed", f"could not read {mpath}: {exc}", remedy="check permissions") from exc
     if data is None:
         raise malformed("is larger than any manifest torchlens writes")
-    manifest = check_manifest(parse_json(data, MANIFEST_NAME, "manifest_malformed"))
+    obj = parse_json(data, MANIFEST_NAME, "manifest_malformed")
+    extra = obj.pop("runnable", None) if isinstance(obj, dict) and obj.get("level") == "runnable" else None
+    manifest = check_manifest(obj)
+    if manifest["level"] == "runnable":
+        from torchlens.io.runnable import check_manifest_object
+
+        manifest["runnable"] = check_manifest_object(extra)
     if manifest["kind"] != "trace":
         raise ArtifactError("artifact_kind_unsupported", f"the artifact is a {manifest['kind'][:40]!r}, not a trace",
                             remedy="tl.load reads traces", kind=manifest["kind"][:40])
@@ -394,8 +412,10 @@ def read_manifest(bundle: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_layout(bundle: Path, files: dict[str, Any]) -> None:
-    for sub in ("records", "blobs"):
+def _check_layout(bundle: Path, files: dict[str, Any], runnable: dict[str, Any] | None = None) -> None:
+    if runnable is not None:  # runnable/ holds exactly the files the manifest's runnable object lists
+        files = {**files, **runnable["files"]}
+    for sub in ("records", "blobs") + (("runnable",) if runnable is not None else ()):
         d = bundle / sub
         if d.is_symlink():
             raise ArtifactError("load_path_symlink_rejected", f"{d} is a symlink", remedy="artifacts hold no symlinks",
@@ -425,8 +445,9 @@ def _check_layout(bundle: Path, files: dict[str, Any]) -> None:
         rel = entry.name
         if rel == "intervention.json" and rel in files:
             continue
-        if rel == MANIFEST_NAME or (rel in ("records", "blobs") and entry.is_dir(follow_symlinks=False)):
-            if rel in ("records", "blobs"):
+        dirs = ("records", "blobs") + (("runnable",) if runnable is not None else ())
+        if rel == MANIFEST_NAME or (rel in dirs and entry.is_dir(follow_symlinks=False)):
+            if rel in dirs:
                 for sub in os.scandir(entry.path):
                     name = f"{rel}/{sub.name}"
                     if name not in files:

@@ -64,10 +64,20 @@ def _schema(target: Path, manifest: Any) -> tuple[dict[str, Any], tuple[str, ...
         raise _refuse(target, "holds no manifest of saved format 3")
     kind = manifest.get("kind")
     if kind == "trace":
+        runnable = None
+        if manifest.get("level") == "runnable" and "runnable" in manifest:  # its runnable/ files, checked apart
+            manifest = dict(manifest)
+            runnable = manifest.pop("runnable")
         try:
             check_manifest(manifest)
+            if runnable is not None:
+                from torchlens.io.runnable import check_manifest_object
+
+                runnable = check_manifest_object(runnable)
         except ArtifactError as exc:
             raise _refuse(target, f"has a trace manifest that fails its schema ({exc.code})") from None
+        if runnable is not None:
+            return {**manifest["files"], **runnable["files"]}, ("records", "blobs", "runnable")
         return manifest["files"], ("records", "blobs")
     if kind in ("intervention", "recipe"):
         from torchlens.io.intervention import _KEYS
@@ -152,7 +162,7 @@ def prove_artifact(target: Path) -> Fingerprint:
                 raise _refuse(target, f"lacks {name}, which its manifest lists") from None
             if not stat.S_ISREG(st.st_mode) or st.st_size != entry["size"]:
                 raise _refuse(target, f"has a {name} that is not the file its manifest lists")
-            if name.endswith(".json"):
+            if name.endswith(".json") or name.startswith("runnable/"):  # (runnable state: safetensors, no blob header)
                 if _sha256(p, st.st_size) != entry["sha256"]:
                     raise _refuse(target, f"has a {name} whose sha256 differs from its manifest")
             elif _blob_meta(p, st.st_size).get("format") != "tlspec-blob":

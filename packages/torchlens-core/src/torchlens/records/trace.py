@@ -923,6 +923,12 @@ class Trace(TraceLike):
 
         return save(self, path, level=level, overwrite=overwrite)
 
+    @property
+    def runnable(self) -> Any:
+        """The `Runnable` of a trace loaded from a `level="runnable"` save (its `readiness`,
+        `reasons` and `run(*inputs)`; `torchlens.io.runnable`); None for every other trace."""
+        return self.__dict__.get("_runnable")
+
     def save_intervention(self, path: Any, level: str = "portable", overwrite: bool = False) -> Any:
         """Write this trace's staged recipe alone as a `.tlspec` directory of kind
         "intervention" (`tl.load` / `tl.io.load_intervention_spec` read it back)."""
