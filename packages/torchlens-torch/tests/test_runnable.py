@@ -339,3 +339,27 @@ def test_overwrite_replaces_a_runnable_artifact_and_refuses_a_foreign_directory(
     with pytest.raises(tl.errors.ArtifactError):
         t2.save(path, level="runnable", overwrite=True)
     assert (path / "runnable" / "stray.bin").exists()
+
+
+def test_param_value_basis_says_where_a_value_comes_from(tmp_path):
+    """Param.value_basis (glossary "Parameter value basis"): live_ref while the live handle
+    resolves, snapshot with capture-time snapshots (snapshot_params, replayable, a loaded
+    runnable's state), absent(not_persisted) for a loaded trace whose model is gone."""
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(3, 6)
+    live = tl.trace(model, x)
+    assert live.params["fc1.weight"].value_basis == "live_ref"
+    assert live.params["fc1.weight"].value is model.fc1.weight  # the read itself is unchanged
+    snap = tl.trace(model, x, capture=tl.CaptureOptions(snapshot_params=True))
+    assert snap.params["fc1.weight"].value_basis == "snapshot"
+    live.save(tmp_path / "full.tlspec")
+    _save(model, x, tmp_path / "run.tlspec")
+    del model, live, snap
+    gc.collect()
+    full = tl.load(tmp_path / "full.tlspec")
+    # a full save writes the values the parameters held when it was saved (not a capture-time claim)
+    assert full.params["fc1.weight"].value_basis == "persisted(save_time)"
+    assert full.params["fc1.weight"].value is not None
+    full._params["fc1.weight"].value = None  # an artifact holding no bytes for it
+    assert full.params["fc1.weight"].value_basis == "absent(not_persisted)"
+    assert tl.load(tmp_path / "run.tlspec").params["fc1.weight"].value_basis == "snapshot"

@@ -158,6 +158,7 @@ def rebuild_trace(rows: dict[str, list[dict[str, Any]]], manifest: dict[str, Any
         mod.param_addresses, mod.buffer_addresses = r["param_addresses"], r["buffer_addresses"]
         mod._trace = trace
         trace._modules[address] = mod
+    trace.__dict__["_params_from_artifact"] = True  # Param.value_basis: values read from the file, not live
     for address, r in params.items():
         p = Param(address, r["module"], r["name"], r["shape"], r["dtype"], r["trainable"], r["value"], r["device"],
                   r["aliases"])

@@ -297,6 +297,31 @@ class Param:
         return self.address
 
     @property
+    def value_basis(self) -> str:
+        """Where a value of this parameter comes from (experimental; computed when read, never
+        saved; `value` keeps its live-handle meaning): `"snapshot"` when the trace carries a
+        capture-time snapshot holding it (`CaptureOptions(snapshot_params=True)` or
+        `replayable=True`, `torchlens.bundle.snapshot_params`, or a loaded runnable artifact's
+        state), `"live_ref"` when the live-model handle resolves (the value may have moved since
+        capture), and for a loaded trace `"persisted(save_time)"` (a `level="full"` save writes
+        the values the parameters held when it was saved: an addition to the glossary's
+        vocabulary, whose saves write no parameter bytes) or `"absent(not_persisted)"` (no
+        bytes in the file)."""
+        trace = getattr(self, "_trace", None)
+        if trace is not None:
+            from torchlens.bundle.guard import snapshot_of
+
+            snap = snapshot_of(trace)
+            if snap is not None and self.address in snap:
+                return "snapshot"
+            state = getattr(getattr(trace, "runnable", None), "_state", None) or {}
+            if self.address in state:
+                return "snapshot"
+            if trace.__dict__.get("_params_from_artifact"):
+                return "persisted(save_time)" if self.value is not None else "absent(not_persisted)"
+        return "live_ref" if self.value is not None else "absent(not_persisted)"
+
+    @property
     def addresses(self) -> tuple[str, ...]:
         """Every module path this parameter is registered at (one unless tied)."""
         return (self.address, *self.aliases)
