@@ -23,6 +23,7 @@ PORTS: dict[str, str] = {
     "buffer_html": "torchlens.viz.tables:buffer_html",
     "call_facets": "torchlens.facets.view:call_facets",
     "call_html": "torchlens.viz.tables:call_html",
+    "param_snapshot_of": "torchlens.bundle.guard:snapshot_of",
     "clear_edits": "torchlens.intervention.verbs:clear_edits",
     "collapse_score": "torchlens.viz.collapse:collapse_score",
     "collection_dataframe": "torchlens.viz.tables:collection_dataframe",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torchlens.records.collections import OwnedRecords
 from torchlens.records.op import numel as _numel
 from torchlens.records.ports import port
 
@@ -236,8 +237,6 @@ class Module:
 
     @calls.setter
     def calls(self, value: Any) -> None:
-        from torchlens.records.collections import OwnedRecords
-
         self._calls = OwnedRecords(value, self)
 
     def _own_key(self, calls: list, key: str) -> "ModuleCall":
@@ -309,9 +308,7 @@ class Param:
         bytes in the file)."""
         trace = getattr(self, "_trace", None)
         if trace is not None:
-            from torchlens.bundle.guard import snapshot_of
-
-            snap = snapshot_of(trace)
+            snap = port("param_snapshot_of")(trace)
             if snap is not None and self.address in snap:
                 return "snapshot"
             state = getattr(getattr(trace, "runnable", None), "_state", None) or {}
