@@ -178,3 +178,121 @@ def test_custom_attributes_follow_attribute_changes_between_captures() -> None:
     del model.fc.scale
     trace = tl.trace(model, x)
     assert "scale" not in trace._modules["fc"].custom_attributes
+
+
+# session 7 (helper F): per-capture reuse through the cached description's scratch ----------
+
+def _phq(trace) -> str:
+    return trace.provenance.extra["param_hash_quick"]
+
+
+def test_param_hash_reuse_follows_parameter_changes() -> None:
+    """The parameter hash of a repeated capture (returned again while every parameter's version
+    counter and data pointer are unchanged) equals the hash of a capture of a deep copy (a new
+    object, hashed from its elements) after each kind of change."""
+    torch.manual_seed(0)
+    model, x = Net().eval(), torch.randn(1, 3, 4, 4)
+    first = _phq(tl.trace(model, x))
+    assert _phq(tl.trace(model, x)) == first  # unchanged: the same hash
+    assert _describe._CACHE[id(model)].scratch.get("param_hash_quick") is not None  # (the reuse path ran)
+    with torch.no_grad():
+        model.fc.weight.mul_(2)  # in place: bumps the version counter
+    cached, fresh = _capture_both(model, x)
+    assert _phq(cached) == _phq(fresh) != first
+    second = _phq(cached)
+    model.fc.bias.data = model.fc.bias.data + 1  # a new storage, same shape: no version bump
+    cached, fresh = _capture_both(model, x)
+    assert _phq(cached) == _phq(fresh) != second
+    third = _phq(cached)
+    model.fc.weight.requires_grad_(False)  # checked by the fingerprint: described afresh
+    cached, fresh = _capture_both(model, x)
+    assert _phq(cached) == _phq(fresh) != third
+
+
+class Counter(nn.Module):
+    """A buffer the forward writes in place, or (with `rebind`) rebinds to another shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.arange(3.0))
+        self.rebind = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rebind:
+            self.count.data = torch.zeros(5)
+        else:
+            self.count.add_(1)
+        return x + self.count.sum()
+
+
+def test_buffer_copies_reused_across_captures_still_restore() -> None:
+    """A repeated capture copies the buffers into the previous capture's copies; every capture
+    still puts the buffers back, also after a forward that rebinds a buffer's `.data` (whose
+    restore makes the copy back the buffer: that copy must not be reused)."""
+    model, x = Counter(), torch.randn(2)
+    want = torch.arange(3.0)
+    for _ in range(3):
+        trace = tl.trace(model, x)
+        assert torch.equal(model.count, want)
+        assert torch.allclose(trace.output, x + (want + 1).sum())  # the forward's own write, recorded
+    assert "buffer_copies" in _describe._CACHE[id(model)].scratch  # (the reuse path ran)
+    model.rebind = True
+    tl.trace(model, x)
+    assert torch.equal(model.count, want) and model.count.shape == (3,)
+    model.rebind = False
+    for _ in range(2):
+        trace = tl.trace(model, x)
+        assert torch.equal(model.count, want)
+        assert torch.allclose(trace.output, x + (want + 1).sum())
+
+
+def test_training_batchnorm_restored_on_every_repeated_capture() -> None:
+    """Training-mode batch norm writes its running statistics without a version bump: each of
+    several captures (the later ones copying into reused buffer copies) puts them back."""
+    torch.manual_seed(0)
+    model, x = Net().train(), torch.randn(2, 3, 6, 6)
+    for step in range(4):
+        with torch.no_grad():  # the statistics move between captures (the copies must follow)
+            model.bn.running_mean.add_(0.5)
+        before = {k: v.clone() for k, v in model.bn.state_dict().items()}
+        ref = copy.deepcopy(model)
+        trace = tl.trace(model, x)
+        assert all(torch.equal(before[k], v) for k, v in model.bn.state_dict().items()), step
+        assert torch.allclose(trace.output, ref(x), atol=1e-6)
+
+
+class NumpyDraw(nn.Module):
+    """A forward that draws from NumPy's global stream (`how`: nothing, a uniform, a normal)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.how = "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        if self.how == "uniform":
+            x = x + float(np.random.rand())
+        elif self.how == "normal":
+            x = x + float(np.random.standard_normal())
+        return x * 2
+
+
+def test_numpy_stream_put_back_only_when_moved_yet_always_exact() -> None:
+    """The capture compares NumPy's raw stream bytes to skip an unneeded `set_state`; the stream
+    after each capture equals the stream before it, also when the forward consumed the legacy
+    stream's cached normal (which leaves the raw bytes as they were)."""
+    import numpy as np
+
+    model, x = NumpyDraw(), torch.randn(3)
+    for how in ("none", "uniform", "normal"):
+        for cached_normal in (False, True):
+            np.random.seed(7)
+            if cached_normal:
+                np.random.standard_normal()  # the next normal is served from the cache
+            assert np.random.get_state()[3] == int(cached_normal)
+            want = np.random.get_state()
+            model.how = how
+            tl.trace(model, x)
+            got = np.random.get_state()
+            assert got[0] == want[0] and np.array_equal(got[1], want[1]) and got[2:] == want[2:], (how, cached_normal)

@@ -458,8 +458,10 @@ class _Capture:
         place, the random streams, the MHA fast-path flag and torch's global hook tables."""
         opts = self.opts
         rng = RngSnapshot()
-        state = self._state = ModelStateSnapshot(desc.modules)  # restored unless carry_state; read for attribute_writes
-        guard = ParamWriteGuard(desc.modules, desc.param_address, copy=not opts.carry_state)
+        # restored unless carry_state; read for attribute_writes (scratch: reuses the last capture's buffer copies)
+        state = self._state = ModelStateSnapshot(desc.modules, getattr(desc, "scratch", None))
+        guard = ParamWriteGuard(desc.modules, desc.param_address, copy=not opts.carry_state,
+                                params=[(i.address, i.value) for i in desc.info.params])
         rec.param_guard = guard
         rec.params_written = guard.written
         if opts.seed is not None:
@@ -542,11 +544,33 @@ def _param_hash_quick(root: nn.Module, desc: Any = None) -> str:
     so such a write is only seen once the storage is replaced or the Parameter is).
 
     `desc` (root's `describe_model`, taken just before) lists the same parameters under the
-    same names in `named_parameters()` order, without walking the module tree again."""
+    same names in `named_parameters()` order, without walking the module tree again. A `desc`
+    rebuilt from the cached walk (its `scratch`) has had each parameter's identity, shape, dtype,
+    device and requires_grad checked against the walk that cached it: there the hash of the last
+    capture is returned again while every parameter's version counter and data pointer are the
+    same (the per-parameter digests' own cache key, read for all of them at once)."""
+    scratch = getattr(desc, "scratch", None)
+    if scratch is not None:
+        values = [i.value for i in desc.info.params]
+        try:
+            key = [(p._version, p.data_ptr()) for p in values]
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor without data: no reuse
+            key = None
+        last = scratch.get("param_hash_quick")
+        if key is not None and last is not None and last[0] == key:
+            return last[1]
+        digest = _hash_named((i.address, v) for i, v in zip(desc.info.params, values))
+        if key is not None:
+            scratch["param_hash_quick"] = (key, digest)
+        return digest
+    return _hash_named(root.named_parameters() if desc is None else ((i.address, i.value) for i in desc.info.params))
+
+
+def _hash_named(named: Any) -> str:
+    """`_param_hash_quick` over (address, parameter) pairs."""
     import hashlib
 
     h = hashlib.sha256()
-    named = root.named_parameters() if desc is None else ((i.address, i.value) for i in desc.info.params)
     for name, p in named:
         h.update(name.encode())
         h.update(b"\0")

@@ -43,6 +43,9 @@ class ModelDescription:
     param_address: dict[int, str]
     buffer_address: dict[int, str]
     held: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # module-held plain tensors
+    # per cached walk (see `_Entry.scratch`): what later captures of the same, unchanged model
+    # reuse (nothing that keeps the model alive); None for a model described afresh
+    scratch: dict | None = None
 
 
 def _escape_key(key: Any) -> str:
@@ -63,25 +66,39 @@ def describe_model(root: nn.Module) -> ModelDescription:
                 return entry.rebuild(mods)
     desc = _describe(root)
     _remember(root, desc)
+    entry = _CACHE.get(id(root))
+    if entry is not None and entry.fingerprint is not None:
+        desc.scratch = entry.scratch
     return desc
 
 
 class _Entry:
     """One root's cached walk: weak references to every described module, parameter, buffer
     and held tensor (any of them dying drops the entry, so the ids it keeps stay unique) and
-    the fields of their info records."""
+    the fields of their info records.
 
-    __slots__ = ("root", "module_refs", "fingerprint", "module_rows", "param_rows", "buffer_rows", "held_count",
-                 "module_address", "param_address", "buffer_address", "live", "__weakref__")
+    `scratch` is handed to every description rebuilt from this entry (`ModelDescription.scratch`):
+    a capture keeps there what the next capture of the same model may reuse while the fingerprint
+    holds: the parameter hash's inputs and result (`backend._param_hash_quick`) and the state
+    snapshot's buffer copies (`state.ModelStateSnapshot`, small models only). Plain values and
+    detached copies only: never the model's own tensors or anything else that keeps it alive."""
+
+    __slots__ = ("root", "module_refs", "fingerprint", "module_rows", "module_infos", "param_rows", "buffer_rows", "held_count",
+                 "module_address", "param_address", "buffer_address", "live", "scratch", "__weakref__")
 
     def rebuild(self, mods: list) -> ModelDescription:
         order = [(row[0], m) for row, m in zip(self.module_rows, mods)]
-        modules = [ModuleInfo(a, c, q, None, aa, bool(m.training)) for (a, c, q, aa), m in zip(self.module_rows, mods)]
+        # the ModuleInfo records hold plain values only (read only downstream): the cached walk's
+        # serve again while each training flag is the one they hold (the fingerprint compared the
+        # flags in the modules' `__dict__`; this reads them as the fresh walk does)
+        modules = list(self.module_infos)
+        if any(mi.training is not bool(m.training) for mi, m in zip(modules, mods)):
+            modules = [ModuleInfo(a, c, q, None, aa, bool(m.training)) for (a, c, q, aa), m in zip(self.module_rows, mods)]
         params = [ParamInfo(a, o, n, s, d, t, r(), dv, al) for a, o, n, s, d, t, r, dv, al in self.param_rows]
         buffers = [BufferInfo(a, o, n, s, d, r(), pe, dv) for a, o, n, s, d, r, pe, dv in self.buffer_rows]
         held = [(b.address, b.value) for b in buffers[len(buffers) - self.held_count:]] if self.held_count else []
         return ModelDescription(ModelInfo(type(mods[0]).__name__, modules, params, buffers), self.module_address,
-                                order, self.param_address, self.buffer_address, held)
+                                order, self.param_address, self.buffer_address, held, self.scratch)
 
 
 #: id(root module) -> its cached walk (see `describe_model`)
@@ -103,6 +120,7 @@ def _remember(root: nn.Module, desc: ModelDescription) -> None:
     mods = [m for _, m in desc.modules]
     entry = _Entry()
     entry.live = True
+    entry.scratch = {}
     callback = (lambda _r, key=key, e=weakref.ref(entry): _drop(key, e))
     # a class that walks its own way, or a model holding what can change in place: remembered
     # as such (a fingerprint of `None`), so its later captures walk it afresh without trying
@@ -118,6 +136,7 @@ def _remember(root: nn.Module, desc: ModelDescription) -> None:
     entry.module_address, entry.param_address, entry.buffer_address = (
         desc.module_address, desc.param_address, desc.buffer_address)
     entry.module_rows = [(mi.address, mi.class_name, mi.class_qualname, mi.all_addresses) for mi in desc.info.modules]
+    entry.module_infos = tuple(desc.info.modules)
     try:
         entry.root = weakref.ref(root, callback)
         entry.module_refs = [weakref.ref(m, callback) for m in mods]
@@ -151,13 +170,26 @@ def _safe_fingerprint(mods: list) -> list | None:
         return None
 
 
+#: a module `__dict__`'s keys (in order) -> those that are not torch's bookkeeping
+#: (`MODULE_INTERNALS`), in the same order: a module's attributes are filtered once per key set
+_PLANS: dict[tuple, tuple] = {}
+_PLANS_MAX = 4096
+
+
+def _plan(keys: tuple) -> tuple:
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    plan = _PLANS[keys] = tuple(k for k in keys if k not in MODULE_INTERNALS)
+    return plan
+
+
 def _fingerprint(mods: list) -> list | None:
     """What the description depends on, module by module (identities as ids: the entry's weak
     references keep them unique while it lives), or None when a module holds a value that can
     change in place (a container, a plain object): such a model is described afresh."""
     fp: list = []
     app, ext = fp.append, fp.extend
-    internals, leaf, tensor = MODULE_INTERNALS, _LEAF_TYPES, torch.Tensor
+    leaf, tensor, plans = _LEAF_TYPES, torch.Tensor, _PLANS
     for m in mods:
         app(type(m))
         d = m.__dict__
@@ -185,7 +217,14 @@ def _fingerprint(mods: list) -> list | None:
         np_set = m._non_persistent_buffers_set
         if np_set:
             app(sorted(np_set))
-        for k, v in [(k, v) for k, v in d.items() if type(v) not in leaf and k not in internals]:
+        keys = tuple(d)
+        plan = plans.get(keys)
+        if plan is None:
+            plan = _plan(keys)
+        for k in plan:
+            v = d[k]
+            if type(v) in leaf:
+                continue
             if isinstance(v, tensor):
                 ext((k, id(v), v.shape, v.dtype, v.device))
             elif isinstance(v, _SKIP_TYPES) or isinstance(v, type):

@@ -27,7 +27,14 @@ _MAX_DEPTH = 256
 
 
 class RngSnapshot:
-    """The global random streams at one moment."""
+    """The global random streams at one moment.
+
+    NumPy's global stream is read with `np.random.get_state()` and put back with `set_state`
+    only when it moved: its Mersenne Twister words and position are compared as raw bytes
+    (`_np_raw`, about 1 µs against about 80 µs for `set_state`). The legacy stream's cached
+    second normal draw sits outside those bytes, so the comparison is trusted only when no
+    draw was cached at the snapshot (then any draw moves the words); otherwise it is always
+    put back."""
 
     def __init__(self) -> None:
         self.torch = torch.get_rng_state()
@@ -37,6 +44,9 @@ class RngSnapshot:
         self.python = random.getstate()
         np = sys.modules.get("numpy")
         self.numpy = np.random.get_state() if np is not None else None
+        # (the legacy tuple: (name, words, pos, has_gauss, gauss); a dict for another bit generator)
+        legacy = type(self.numpy) is tuple and len(self.numpy) == 5 and self.numpy[0] == "MT19937"
+        self.numpy_raw = _np_raw(np) if legacy and not self.numpy[3] else None
 
     def restore(self) -> None:
         torch.set_rng_state(self.torch)
@@ -44,7 +54,41 @@ class RngSnapshot:
             torch.cuda.set_rng_state_all(self.cuda)
         random.setstate(self.python)
         if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
+            np = sys.modules["numpy"]
+            if self.numpy_raw is None or _np_raw(np) != self.numpy_raw:
+                np.random.set_state(self.numpy)
+
+
+#: [bit generator, address of its Mersenne Twister state] of NumPy's global RandomState, once
+#: checked (None: the raw comparison is not available, always `set_state`)
+_NP_STATE: list = []
+_MT_BYTES = 624 * 4 + 4  # uint32 key[624]; int pos
+
+
+def _np_raw(np: Any) -> bytes | None:
+    """The raw bytes of NumPy's global Mersenne Twister state (words and position), or None
+    where they cannot be read as such. The address is taken once per bit generator and checked
+    then against the generator's own `state` (words and position decoded from the bytes)."""
+    import ctypes
+
+    try:  # the RandomState that `np.random.get_state` / `set_state` (and `np.random.rand`, ...) are bound to
+        bg = np.random.get_state.__self__._bit_generator
+    except AttributeError:
+        return None
+    if not _NP_STATE or _NP_STATE[0] is not bg:
+        _NP_STATE[:] = [bg, None]
+        try:
+            addr = bg.ctypes.state_address
+            raw = ctypes.string_at(addr, _MT_BYTES)
+            st = bg.state
+            key = np.frombuffer(raw[:-4], dtype=np.uint32)
+            if (st.get("bit_generator") == "MT19937" and np.array_equal(key, st["state"]["key"])
+                    and int.from_bytes(raw[-4:], sys.byteorder, signed=True) == st["state"]["pos"]):
+                _NP_STATE[1] = addr
+        except Exception:  # noqa: BLE001 - any surprise: no raw comparison
+            pass
+    addr = _NP_STATE[1]
+    return None if addr is None else ctypes.string_at(addr, _MT_BYTES)
 
 
 def seed_all(seed: int) -> None:
@@ -65,12 +109,25 @@ class _TensorSnap:
 _ATOMS = (int, float, str, bool, type(None))
 _ATOM_TYPES = frozenset(_ATOMS)
 _MUTABLE = frozenset((list, dict, set))
+#: Buffer copies up to this many bytes in all are kept for the next capture of the same model
+_KEEP_COPIES_BYTES = 8 << 20
 #: The snapshot of an empty registry (read only: `_restore_dict` never writes its `saved`)
 _EMPTY: dict = {}
 #: Attribute types that hold no tensor (`reach_plan` leaves them out)
 _NO_TENSOR_TYPES = frozenset((bytes, torch.dtype, torch.device, torch.Size, type))
 #: `__dict__` keys the snapshot skips: torch's bookkeeping (the training flag is user state)
 _SNAPSHOT_SKIP = MODULE_INTERNALS - {"training"}
+#: a module `__dict__`'s keys (in order) -> those the snapshot keeps (all but `_SNAPSHOT_SKIP`), in
+#: the same order: each key set is filtered once
+_PLANS: dict[tuple, tuple] = {}
+_PLANS_MAX = 4096
+
+
+def _plan(keys: tuple) -> tuple:
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    plan = _PLANS[keys] = tuple(k for k in keys if k not in _SNAPSHOT_SKIP)
+    return plan
 
 
 def _snap_container(value: Any, depth: int = 0) -> Any:
@@ -117,7 +174,7 @@ def _restore_in_place(current: Any, snap: Any) -> Any:
 class ModelStateSnapshot:
     """Everything a default (pure-observer) capture puts back after the forward."""
 
-    def __init__(self, modules: list[tuple[str, nn.Module]]) -> None:
+    def __init__(self, modules: list[tuple[str, nn.Module]], scratch: dict | None = None) -> None:
         self.entries: list[tuple[nn.Module, dict, dict, dict, dict, dict]] = []
         # per entry: the module's attribute keys, and its plain attributes' keys and values, for
         # `_untouched` (a C-level check that the forward added, removed and rebound nothing)
@@ -126,10 +183,14 @@ class ModelStateSnapshot:
         # can hold a tensor: see `reach_plan`)
         self.reach: list[list] = []
         self._flags: list[bool] | None = None  # `_untouched` per entry, once the forward is over
-        internals, atoms = _SNAPSHOT_SKIP, _ATOM_TYPES
+        atoms, plans = _ATOM_TYPES, _PLANS
         for _, m in modules:
             d = m.__dict__
-            attrs: dict[str, Any] = {k: v for k, v in d.items() if k not in internals}
+            keys = tuple(d)
+            plan = plans.get(keys)
+            if plan is None:
+                plan = _plan(keys)
+            attrs: dict[str, Any] = {k: d[k] for k in plan}
             containers: dict[str, Any] = {}
             reach: list = []
             for k in [k for k, v in attrs.items() if type(v) not in atoms]:  # (most attributes are scalars)
@@ -148,14 +209,28 @@ class ModelStateSnapshot:
             # (an empty registry is the common case: one shared empty dict, never written)
             self.entries.append((m, attrs, containers, dict(ps) if ps else _EMPTY, dict(bs) if bs else _EMPTY,
                                  dict(ms) if ms else _EMPTY))
-            self.shapes.append((tuple(d), tuple(attrs), tuple(attrs.values())))
+            self.shapes.append((keys, plan, tuple(attrs.values())))
             self.reach.append(reach)
         # every registered buffer (once per registration), a copy and its version counter now.
         # One clone per buffer: measured cheaper than one `torch.cat` (or `torch._foreach_*`) per
         # dtype, whose per-tensor detach/reshape views cost more than the clones they replace.
-        with torch.no_grad():  # (a clone made here records no graph: the same as detach().clone())
-            self.buffer_list = [(b, b.clone(), b._version) for e in self.entries for b in e[4].values()
-                                if b is not None]
+        # A repeated capture of an unchanged model (`scratch`: the cached description's, whose
+        # fingerprint has just checked every buffer's identity, shape, dtype and device) copies
+        # into the previous capture's copies instead, with one `torch._foreach_copy_` (see `restore`).
+        bufs = [b for e in self.entries for b in e[4].values() if b is not None]
+        self._scratch = scratch
+        copies = scratch.pop("buffer_copies", None) if scratch is not None else None
+        with torch.no_grad():  # (a copy made here records no graph: the same as detach().clone())
+            if copies is not None and len(copies) == len(bufs):
+                try:
+                    torch._foreach_copy_(copies, bufs)
+                except Exception:  # noqa: BLE001 - an unusual tensor: one clone each instead
+                    copies = None
+            else:
+                copies = None
+            if copies is None:
+                copies = [b.clone() for b in bufs]
+        self.buffer_list = [(b, c, b._version) for b, c in zip(bufs, copies)]
 
     @staticmethod
     def _untouched(d: dict, shape: tuple[Any, tuple, tuple]) -> bool:
@@ -233,8 +308,18 @@ class ModelStateSnapshot:
             cur = m._buffers
             if cur or buffers:
                 _restore_dict(cur, buffers)
+        rebound = False
         for b, clone, version in self.buffer_list:
-            _write_back(b, clone, version)
+            rebound |= _write_back(b, clone, version)
+        scratch = self._scratch
+        if scratch is not None and not rebound and self.buffer_list:
+            # the copies serve the next capture (they no longer back any buffer: none was rebound
+            # to its copy); only while they are small, since they outlive the capture
+            ok = scratch.get("buffer_copies_ok")
+            if ok is None:
+                ok = scratch["buffer_copies_ok"] = sum(c.nbytes for _, c, _ in self.buffer_list) <= _KEEP_COPIES_BYTES
+            if ok:
+                scratch["buffer_copies"] = [c for _, c, _ in self.buffer_list]
 
 
 def _restore_attrs(d: dict, attrs: dict, containers: dict) -> None:
@@ -299,7 +384,7 @@ def _restore_dict(current: dict, saved: dict) -> None:
     current.update(saved)
 
 
-def _write_back(t: torch.Tensor, clone: torch.Tensor, version: int | None = None) -> None:
+def _write_back(t: torch.Tensor, clone: torch.Tensor, version: int | None = None) -> bool:
     """Copy the snapshot back where the bytes changed. Version counters are not enough:
     kernels such as batch_norm update running statistics without bumping them.
 
@@ -307,17 +392,21 @@ def _write_back(t: torch.Tensor, clone: torch.Tensor, version: int | None = None
     autograd (batch_norm's running statistics), so the bytes go back through `.data` without a
     bump: a graph kept for `trace.backward` that saved the buffer stays usable. A change autograd
     saw (an explicit in-place write) is restored with a bump, so a graph that saved the written
-    value refuses loudly instead of differentiating through restored bytes."""
+    value refuses loudly instead of differentiating through restored bytes.
+
+    Returns True when `t` was rebound to `clone` itself (which then backs `t`)."""
     same_kind = t.shape == clone.shape and t.dtype == clone.dtype and t.device == clone.device
     if same_kind and torch.equal(t, clone):
-        return  # (a NaN makes equal() False: such a buffer is simply written back)
+        return False  # (a NaN makes equal() False: such a buffer is simply written back)
     with torch.no_grad():
         if not same_kind:  # `.data` was rebound to another shape, dtype or device
             t.data = clone
+            return True
         elif version is not None and t._version == version:
             t.data.copy_(clone)
         else:
             t.copy_(clone)
+    return False
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -346,18 +435,27 @@ class ParamWriteGuard:
     parameters were written, so the recorder can read them as forward-time values.
     """
 
-    def __init__(self, modules: list[tuple[str, nn.Module]], param_address: dict[int, str], copy: bool = True) -> None:
+    def __init__(self, modules: list[tuple[str, nn.Module]], param_address: dict[int, str], copy: bool = True,
+                 params: Any = None) -> None:
+        """`params`: optionally the (address, parameter) pairs of `modules`, each parameter once in
+        `modules` order (a `ModelDescription`'s `info.params`), read instead of the registries."""
         self.copy = copy
         self.params: dict[int, tuple[str, nn.Parameter, int]] = {}
         self.by_storage: dict[int, list[nn.Parameter]] = {}
-        for addr, m in modules:
-            for k, p in m._parameters.items():
-                if p is None or id(p) in self.params:
-                    continue
-                self.params[id(p)] = (param_address.get(id(p)) or (f"{addr}.{k}" if addr != "self" else k), p, p._version)
-                key = _storage_key(p)
-                if key:
-                    self.by_storage.setdefault(key, []).append(p)
+        if params is None:
+            params = []
+            seen: set[int] = set()
+            for addr, m in modules:
+                for k, p in m._parameters.items():
+                    if p is None or id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    params.append((param_address.get(id(p)) or (f"{addr}.{k}" if addr != "self" else k), p))
+        for address, p in params:
+            self.params[id(p)] = (address, p, p._version)
+            key = _storage_key(p)
+            if key:
+                self.by_storage.setdefault(key, []).append(p)
         # id(param) -> (its copy, an alias of its original storage), or None with copy=False
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
