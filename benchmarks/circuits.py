@@ -3,6 +3,7 @@
     python benchmarks/circuits.py [--layers 12] [--heads 12] [--d-model 768] [--vocab 50257]
                                   [--rows 2] [--score-rows 20] [--tokens 16] [--threads 2]
                                   [--rounds 2] [--clock wall|cpu] [--out benchmarks/results/circuits.json]
+                                  [--only-scores]
 
 GPT-2 shape, random init, eager attention, frozen parameters. Measured in ONE run, reported as
 ratios, every measurement interleaved with its baseline (the machine is shared: each round
@@ -16,7 +17,8 @@ call over the mean of its two baselines; the report gives every round and the me
   Round 1 is a cold call (it captures the graph structure from one row); later rounds reuse the
   structure edge_scores keeps per model (same parameters, same input shape) and are labelled so.
 The load average is recorded with the numbers. Results go to benchmarks/results/circuits.json
-(or --out).
+(or --out). --only-scores runs just the edge_scores part (results: benchmarks/results/circuits_scores.json
+unless --out is given).
 """
 
 from __future__ import annotations
@@ -66,7 +68,11 @@ def frozen_gpt2(a: argparse.Namespace):
 def main() -> None:
     ap = model_args(RESULTS, rounds=2)
     ap.add_argument("--score-rows", type=int, default=20)
+    ap.add_argument("--only-scores", action="store_true",
+                    help="run only the edge_scores part (patch_edges is skipped and left out of the results)")
     a = ap.parse_args()
+    if a.only_scores and a.out == str(RESULTS):  # a partial run never overwrites the full run's results
+        a.out = str(RESULTS.with_name("circuits_scores.json"))
 
     import torch
 
@@ -93,26 +99,31 @@ def main() -> None:
 
     load = {"before": os.getloadavg()}
     forward()
-    ct, kt = tl.trace(model, clean, save="all", capture=tl.options.CaptureOptions(replayable=True)), tl.trace(model, corrupt, save="all", capture=tl.options.CaptureOptions(replayable=True))
-    graph, cgraph = mi.component_graph(ct), mi.component_graph(kt)
-    edges = list(graph.edges.values())
-    patch_rounds = []
-    for _ in range(a.rounds):
-        f0 = median_forward()
-        t, _fork = timed(lambda: mi.patch_edges(ct, edges, corrupted_graph=cgraph))
-        del _fork
-        f1 = median_forward()
-        patch_rounds.append({"patch_edges_s": t, "forward_s": (f0 + f1) / 2, "ratio": t / ((f0 + f1) / 2)})
-    patch = {"edges": len(graph.edges), "vocabulary_edges": graph.vocabulary_edge_count,
-             "receivers": len(graph.receivers), "stages": len(graph.stages()), "rounds": patch_rounds,
-             "median_s": statistics.median(r["patch_edges_s"] for r in patch_rounds),
-             "median_ratio": statistics.median(r["ratio"] for r in patch_rounds),
-             "target": "<= 10 s and <= 30x one plain forward"}
-    print(f"patch_edges full circuit: {patch['edges']} edges, {patch['receivers']} receivers, {patch['stages']} "
-          f"stages: " + ", ".join(f"{r['patch_edges_s']:.2f} s / fwd {r['forward_s'] * 1e3:.0f} ms = "
-                                  f"{r['ratio']:.1f}x" for r in patch_rounds)
-          + f"; median {patch['median_s']:.2f} s, {patch['median_ratio']:.1f}x (target <= 10 s, <= 30x)", flush=True)
-    del ct, kt, graph, cgraph, edges
+    patch = None
+    if not a.only_scores:
+        replayable = tl.options.CaptureOptions(replayable=True)
+        ct = tl.trace(model, clean, save="all", capture=replayable)
+        kt = tl.trace(model, corrupt, save="all", capture=replayable)
+        graph, cgraph = mi.component_graph(ct), mi.component_graph(kt)
+        edges = list(graph.edges.values())
+        patch_rounds = []
+        for _ in range(a.rounds):
+            f0 = median_forward()
+            t, _fork = timed(lambda: mi.patch_edges(ct, edges, corrupted_graph=cgraph))
+            del _fork
+            f1 = median_forward()
+            patch_rounds.append({"patch_edges_s": t, "forward_s": (f0 + f1) / 2, "ratio": t / ((f0 + f1) / 2)})
+        patch = {"edges": len(graph.edges), "vocabulary_edges": graph.vocabulary_edge_count,
+                 "receivers": len(graph.receivers), "stages": len(graph.stages()), "rounds": patch_rounds,
+                 "median_s": statistics.median(r["patch_edges_s"] for r in patch_rounds),
+                 "median_ratio": statistics.median(r["ratio"] for r in patch_rounds),
+                 "target": "<= 10 s and <= 30x one plain forward"}
+        print(f"patch_edges full circuit: {patch['edges']} edges, {patch['receivers']} receivers, {patch['stages']} "
+              f"stages: " + ", ".join(f"{r['patch_edges_s']:.2f} s / fwd {r['forward_s'] * 1e3:.0f} ms = "
+                                      f"{r['ratio']:.1f}x" for r in patch_rounds)
+              + f"; median {patch['median_s']:.2f} s, {patch['median_ratio']:.1f}x (target <= 10 s, <= 30x)",
+              flush=True)
+        del ct, kt, graph, cgraph, edges
 
     sc = torch.randint(0, a.vocab, (a.score_rows, a.tokens), generator=g)
     sk = torch.randint(0, a.vocab, (a.score_rows, a.tokens), generator=g)

@@ -149,6 +149,109 @@ def test_eap_ig_equals_an_independent_left_riemann_sum(model, xs, steps):
         assert table[name].score == pytest.approx(ref, rel=1e-8, abs=1e-13), name
 
 
+@pytest.mark.parametrize("method,steps,chunk", [("eap", 1, None), ("eap_ig", 3, None), ("eap_ig", 2, 3)])
+def test_edge_scores_with_random_norm_scales_shifts_and_biases_equal_the_reference(xs, method, steps, chunk,
+                                                                                   monkeypatch):
+    """GPT-2's init leaves every LayerNorm at scale 1 / shift 0 and every bias at 0; here all of
+    them are random, so the pull-back's folded scale and its shift / bias terms are exercised.
+    chunk=3: the score contraction runs over 4 chunks of the 10 (row, position) pairs, the last
+    one short."""
+    import torchlens_mechinterp.edges as edges_module
+
+    if chunk is not None:
+        monkeypatch.setattr(edges_module._ScorePlan, "_CHUNK", chunk)
+    model = gpt2(L).double()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" in name and name.endswith("weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    clean, corrupt = xs
+    table = mi.edge_scores(model, clean, corrupted_input=corrupt, metric=metric, method=method, steps=steps)
+    s_c, s_k, grads = _reference_scores(model, clean, corrupt, steps, method)
+    for name in table:
+        snd, rcv = name.split("->")
+        ref = float(((s_k[snd] - s_c[snd]) * grads[rcv]).sum((1, 2)).mean())
+        if snd.startswith("b"):
+            assert table[name].score == 0.0
+            continue
+        assert table[name].score == pytest.approx(ref, rel=1e-8, abs=1e-13), name
+
+
+def test_edge_scores_into_mlps_and_logits_of_a_parallel_block_model_equal_the_reference():
+    """GPT-NeoX (parallel attention + MLP): a layer's heads and its MLP read the same residual
+    through two different norms (random scales / shifts here), so the MLP's gradient must be
+    pulled back through its own norm. Reference: hooks for the senders, a leaf swapped into the
+    MLP's / final norm's input and full autograd, at every EAP-IG point."""
+    from mi_models import neox
+
+    model = neox(L).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name or name.endswith("bias"):
+                base = 1.0 if (name.endswith("weight")) else 0.0
+                p.copy_(base + 0.4 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    clean, corrupt = ids(5, batch=2, seed=1), ids(5, batch=2, seed=2)
+    steps = 2
+    nx = model.gpt_neox
+
+    def senders(x, embeds=None):
+        out, hs = {}, []
+        hs.append(nx.emb_dropout.register_forward_hook(lambda m, a, o: out.__setitem__("input", o.detach())))
+        for layer, blk in enumerate(nx.layers):
+            def pre(m, a, layer=layer):
+                z = a[0].detach()
+                for h in range(H):
+                    out[f"a{layer}.h{h}"] = z[..., h * D:(h + 1) * D] @ m.weight[:, h * D:(h + 1) * D].detach().t()
+                out[f"b{layer}"] = m.bias.detach().expand(z.shape[:-1] + (E,))
+            hs.append(blk.attention.dense.register_forward_pre_hook(pre))
+            hs.append(blk.mlp.register_forward_hook(lambda m, a, o, layer=layer: out.__setitem__(f"m{layer}",
+                                                                                                  o.detach())))
+        try:
+            with torch.no_grad():
+                model(x) if embeds is None else model(inputs_embeds=embeds)
+        finally:
+            for hk in hs:
+                hk.remove()
+        return out
+
+    def local_grad(receiver, embeds):
+        norm = nx.final_layer_norm if receiver == "logits" else nx.layers[int(receiver[1:])].post_attention_layernorm
+        leaf = {}
+
+        def swap(m, a):
+            leaf["x"] = a[0].detach().clone().requires_grad_(True)
+            return (leaf["x"],)
+        hk = norm.register_forward_pre_hook(swap)
+        try:
+            with torch.enable_grad():
+                (gr,) = torch.autograd.grad(metric(model(inputs_embeds=embeds).logits).sum(), leaf["x"])
+        finally:
+            hk.remove()
+        return gr
+
+    table = mi.edge_scores(model, clean, corrupted_input=corrupt, metric=metric, steps=steps)
+    s_c, s_k = senders(clean), senders(corrupt)
+    e_c, e_k = nx.embed_in.weight.detach()[clean], nx.embed_in.weight.detach()[corrupt]
+    checked = 0
+    for receiver in [f"m{layer}" for layer in range(L)] + ["logits"]:
+        grad = sum(local_grad(receiver, e_k + (k / steps) * (e_c - e_k)) for k in range(steps)) / steps
+        for name in table:
+            snd, rcv = name.split("->")
+            if rcv != receiver:
+                continue
+            ref = float(((s_k[snd] - s_c[snd]) * grad).sum((1, 2)).mean())
+            if snd.startswith("b"):
+                assert table[name].score == 0.0
+                continue
+            assert table[name].score == pytest.approx(ref, rel=1e-8, abs=1e-13), name
+            checked += 1
+    assert checked == (1 + 0) + (1 + H + 1) + (1 + 2 * H + 2)  # m0: input; m1: + layer 0; logits: all
+
+
 def test_edge_score_table_saves_and_loads(model, xs, tmp_path):
     from torchlens_mechinterp.edges import EdgeScoreTable
 

@@ -17,10 +17,14 @@ reduced over examples. A receiver's gradient is its own: the backward stops at i
 pre-norm's output for m{L} / logits, head H's q / k / v columns of the projection output) and a
 local pull-back through the norm (and the projection slice) carries it to the receiver's input.
 method="eap_ig" averages that gradient over `steps` points e_corrupt + k/m (e_clean - e_corrupt),
-k = 0..m-1 (left Riemann sum) on the input node. Implementation note: the evaluation points run
-the live model with PyTorch forward hooks at the modules the captured graph names (the input
-node's module, the pre-norms, the q/k/v projections, the LM head); the sender values come from
-two captures (clean, corrupted) through `component_graph`.
+k = 0..m-1 (left Riemann sum) on the input node. Implementation note (a deviation from the spec's
+"one capture per evaluation point"): ONE capture of the first clean row gives the graph structure
+(cached per model); the evaluation points run the live model with PyTorch forward hooks at the
+modules the captured graph names (the input node's module, the pre-norms, the o- and q/k/v
+projections, the MLPs, the LM head), and row 0 of the clean pass is checked against the identity
+receipt (and against the capture when it came from that row). The sender values come from those
+hooks: s_corrupt from EAP-IG's first point (the corrupted forward), s_clean from one extra no-grad
+forward that stops once the last pre-norm input is read (the unembedding does not run).
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def _norm_fn(trace: Any, address: str) -> Callable[[Any], Any]:
     norm.stats = stats  # type: ignore[attr-defined]
     norm.kind = kind  # type: ignore[attr-defined]
     norm.gamma = None if g is None else g + offset  # type: ignore[attr-defined]
+    norm.beta = b if kind == "layer_norm" else None  # type: ignore[attr-defined]
     return norm
 
 
@@ -103,14 +108,19 @@ class _Proj:
     cols: dict[str, Any]  # role -> [n_heads, d_head] column indices
 
 
-def _projections(trace: Any, attention: str) -> dict[str, _Proj]:
-    """Projection output op label -> its per-head q/k/v weight slices (from heads._qkv_view)."""
+def _projections(trace: Any, attention: str, views: Any = None) -> dict[str, _Proj]:
+    """Projection output op label -> its per-head q/k/v weight slices (from heads._qkv_view, or
+    from `views`, the attention's HeadWeightViews the component graph already built)."""
     from torchlens_mechinterp._common import entries
     from torchlens_mechinterp.heads import _qkv_view
 
     out: dict[str, _Proj] = {}
     for role in ("q", "k", "v"):
-        v = _qkv_view(trace, attention, role, "patch_edges")
+        if views is not None:
+            R = role.upper()
+            v = {"W": getattr(views, "W_" + R), "b": getattr(views, "b_" + R)}
+        else:
+            v = _qkv_view(trace, attention, role, "patch_edges")
         label = entries(trace, attention)[role].spec.home
         p = out.setdefault(label, _Proj(label, {}, {}, {}))
         from torchlens_mechinterp.graph import _columns
@@ -482,6 +492,10 @@ def _plan_key(model: Any, inputs: Any) -> tuple:
             tuple((t.data_ptr(), t._version, tuple(t.shape), str(t.dtype)) for t in tensors))
 
 
+class _Stop(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised by a hook of a no-grad scoring pass once it has read everything it needs."""
+
+
 class _ScorePlan:
     """Everything edge_scores reads from the structure capture: the component graph, the module
     of every hook point (input node, o-projections, MLPs, pre-norms, q/k/v projections, LM head)
@@ -503,7 +517,7 @@ class _ScorePlan:
         self.graph = g
         self.in_module, _ = _input_module(trace, g)
         attns = list(dict.fromkeys(n.module for n in g.nodes.values() if n.kind == "head"))
-        self.projs = {a: _projections(trace, a) for a in attns}
+        self.projs = {a: _projections(trace, a, g._views.get(a)) for a in attns}
         self.proj_module = {p.label: trace._ops[p.label].module for pj in self.projs.values() for p in pj.values()}
         for lab, mod in self.proj_module.items():
             call = trace._modules[mod].calls[0]
@@ -523,7 +537,8 @@ class _ScorePlan:
         # pre-norm input label -> its receivers, ordered: the q/k/v heads of each projection output (with
         # the gathered columns and stacked transposed weights of their slices), then the m{L} / logits reader
         self.blocks: dict[str, list[Any]] = {}
-        self.gathers: dict[str, list[tuple[str, Any, Any, int]]] = {}  # label -> [(proj label, cols, W^T, n)]
+        # label -> [(proj label, cols (None: all, in order), W^T [n, d_head, d], n, const [n * d_head])]
+        self.gathers: dict[str, list[tuple[str, Any, Any, int, Any]]] = {}
         by_label: dict[str, list[Any]] = {}
         for r in g.receivers.values():
             by_label.setdefault(r.label, []).append(r)
@@ -535,6 +550,7 @@ class _ScorePlan:
                 mine = [r for r in heads if next(p for p in self.projs[r.module].values() if r.kind in p.W).label
                         == plabel]
                 p = next(p for p in self.projs[mine[0].module].values() if p.label == plabel)
+                mine.sort(key=lambda r: int(p.cols[r.kind][int(r.head)].min()))  # column order: no gather
                 cols = torch.cat([p.cols[r.kind][int(r.head)] for r in mine])
                 WT = torch.stack([p.W[r.kind][int(r.head)].transpose(0, 1) for r in mine])  # [n, d_head, d]
                 nf = self.norm_fns[mine[0].norm]
@@ -542,7 +558,13 @@ class _ScorePlan:
                     WT = WT * nf.gamma.to(WT.dtype)
                 if nf.kind == "layer_norm":  # centred over d: a - mean(a) in the same matmul
                     WT = WT - WT.mean(-1, keepdim=True)
-                gathers.append((plabel, cols, WT, len(mine)))
+                # xhat @ WT[h]^T from the live projection output: proj[:, cols] - (b_h + beta @ W_h)
+                const = torch.cat([(p.b[r.kind][int(r.head)] if p.b[r.kind] is not None
+                                    else p.W[r.kind].new_zeros(p.W[r.kind].shape[-1]))
+                                   + (nf.beta.to(p.W[r.kind].dtype) @ p.W[r.kind][int(r.head)]
+                                      if nf.beta is not None else 0) for r in mine])
+                ident = bool(torch.equal(cols, torch.arange(len(cols), dtype=cols.dtype)))
+                gathers.append((plabel, None if ident else cols, WT, len(mine), const))
                 ordered += mine
             ordered += [r for r in rs if r.kind in ("mlp", "logits")]
             self.blocks[label], self.gathers[label] = ordered, gathers
@@ -552,9 +574,18 @@ class _ScorePlan:
     def _forward(self, model: Any, x: Any, point: Any, grad: bool, torch: Any) -> dict[str, Any]:
         """Run `model(x)` with hooks; `point` (or None) replaces the input node's value. Returns
         the reads: "input", "z:<attn>" (o-projection input), "mlp:<mlp>", "norm_in:<norm>",
-        "norm:<norm>" / proj labels (the receivers' reads, grad-retaining when `grad`), "logits"."""
+        "norm:<norm>" / proj labels (the receivers' reads, grad-retaining when `grad`), "logits".
+        Without `grad` the pass only feeds sender values and the row-0 receipt, so it stops (a private
+        exception out of the hook) as soon as every sender and every pre-norm input has been read: the
+        unembedding and whatever follows the last norm never run."""
         seen: dict[str, Any] = {}
         hs = []
+        need = None if grad else ({"input"} | {"z:" + a for a in self.o_module} | {"mlp:" + m for m in self.mlps}
+                                  | {"norm_in:" + n for n in self.norms})
+
+        def done() -> None:
+            if need is not None and len(seen) >= len(need) and need.issubset(seen):
+                raise _Stop
 
         def on_input(_m: Any, _a: Any, out: Any) -> Any:
             val = out if point is None else point.reshape(out.shape).to(out.dtype)
@@ -569,11 +600,13 @@ class _ScorePlan:
                     seen["norm_in:" + key] = args[0]
                 t = out[0] if isinstance(out, tuple) else out
                 seen[key if what != "norm" else "norm:" + key] = t
+                done()
             return hook
 
         def keep_z(attn: str) -> Callable:
             def hook(_m: Any, args: Any) -> None:
                 seen["z:" + attn] = args[0]
+                done()
             return hook
 
         try:
@@ -587,29 +620,58 @@ class _ScorePlan:
             if grad:
                 for lab, mod in self.proj_module.items():
                     hs.append(model.get_submodule(mod).register_forward_hook(keep(lab, "proj")))
-            hs.append(model.get_submodule(self.head_address).register_forward_hook(keep("logits", "head")))
+            if grad:
+                hs.append(model.get_submodule(self.head_address).register_forward_hook(keep("logits", "head")))
             with torch.enable_grad() if grad else torch.no_grad():
                 model(x)
+        except _Stop:
+            pass
         finally:
             for h in hs:
                 h.remove()
         return seen
 
-    def _sender_values(self, seen: dict[str, Any], torch: Any) -> dict[str, Any]:
-        """Sender name -> [B, P, d_model] from one forward's reads (heads: z_h @ W_O[h])."""
+    def _reads(self, seen: dict[str, Any]) -> dict[str, Any]:
+        """What the scores need from one forward: the input node's value, each attention's z
+        [B, P, H, d_head] and each MLP's output, detached."""
         e = seen["input"].detach()
         out = {"input": e}
-        shape = tuple(e.shape)
         for a, W_O in self.W_O.items():
-            z = seen["z:" + a].detach()
-            res = torch.einsum("bphd,hde->bphe", z.reshape(shape[:-1] + (W_O.shape[0], W_O.shape[1])),
-                               W_O.to(z.dtype))
+            out["z:" + a] = seen["z:" + a].detach().reshape(tuple(e.shape[:-1]) + (W_O.shape[0], W_O.shape[1]))
+        for mod in self.mlps:
+            out["mlp:" + mod] = seen["mlp:" + mod].detach().reshape(e.shape)
+        return out
+
+    def _sender_values(self, reads: dict[str, Any], rows: slice, torch: Any) -> dict[str, Any]:
+        """Sender name -> [rows, P, d_model] (heads: z_h @ W_O[h])."""
+        out = {"input": reads["input"][rows]}
+        for a, W_O in self.W_O.items():
+            z = reads["z:" + a][rows]
+            res = torch.einsum("bphd,hde->bphe", z, W_O.to(z.dtype))
             for n in self.senders:
                 if n.kind == "head" and n.module == a:
                     out[n.name] = res[..., int(n.head), :]
         for mod, n in self.mlps.items():
-            out[n.name] = seen["mlp:" + mod].detach().reshape(shape)
+            out[n.name] = reads["mlp:" + mod][rows]
         return out
+
+    def _diff(self, clean: dict[str, Any], corr: dict[str, Any], torch: Any) -> Any:
+        """[senders, B*P*d] of s_corrupt - s_clean, in sender order; heads as (z_corrupt - z_clean) @ W_O[h]
+        (linear in z), written straight into their rows."""
+        e = clean["input"]
+        dt = e.dtype
+        diff = e.new_empty((len(self.senders), e.numel()))
+        torch.sub(corr["input"].reshape(-1), e.reshape(-1), out=diff[self.index["input"]])
+        for mod, n in self.mlps.items():
+            torch.sub(corr["mlp:" + mod].to(dt).reshape(-1), clean["mlp:" + mod].to(dt).reshape(-1),
+                      out=diff[self.index[n.name]])
+        for a, W_O in self.W_O.items():
+            dz = corr["z:" + a].to(dt) - clean["z:" + a].to(dt)
+            res = torch.einsum("bphd,hde->hbpe", dz, W_O.to(dt))  # [H, B, P, d]
+            for n in self.senders:
+                if n.kind == "head" and n.module == a:
+                    diff[self.index[n.name]].view(res.shape[1:]).copy_(res[int(n.head)])
+        return diff
 
     def _check_row0(self, values: dict[str, Any], seen: dict[str, Any], fresh: bool, torch: Any) -> None:
         """The hooks read what the captured graph names, checked on row 0 of the clean batch: every
@@ -647,39 +709,45 @@ class _ScorePlan:
     def run(self, model: Any, inputs: Any, corrupted: Any, metric: Callable, method: str, steps: int,
             reduction: str, fresh: bool, torch: Any) -> EdgeScoreTable:
         g = self.graph
-        grads: dict[str, Any] = {}  # pre-norm input label -> summed receiver gradients [n, B*P, d]
+        grads: dict[str, Any] = {}  # pre-norm input label -> the factored receiver gradients (see _grads)
         if method == "eap":
             clean_seen = self._forward(model, inputs, None, True, torch)
-            s_clean = self._sender_values(clean_seen, torch)
-            self._check_row0(s_clean, clean_seen, fresh, torch)
-            s_corr = self._sender_values(self._forward(model, corrupted, None, False, torch), torch)
+            r_clean = self._reads(clean_seen)
+            self._check_row0(self._sender_values(r_clean, slice(0, 1), torch), clean_seen, fresh, torch)
+            r_corr = self._reads(self._forward(model, corrupted, None, False, torch))
             self._grads(clean_seen, metric, grads, torch)
         else:
             clean_seen = self._forward(model, inputs, None, False, torch)
-            s_clean = self._sender_values(clean_seen, torch)
-            self._check_row0(s_clean, clean_seen, fresh, torch)
+            r_clean = self._reads(clean_seen)
+            self._check_row0(self._sender_values(r_clean, slice(0, 1), torch), clean_seen, fresh, torch)
             del clean_seen
-            e_clean = s_clean["input"]
-            s_corr: dict[str, Any] = {}
+            e_clean = r_clean["input"]
+            r_corr: dict[str, Any] = {}
             for k in range(steps):
                 if k == 0:  # e_corrupt itself: the corrupted input's forward
                     seen = self._forward(model, corrupted, None, True, torch)
-                    s_corr = self._sender_values(seen, torch)
+                    r_corr = self._reads(seen)
                 else:
-                    e_corrupt = s_corr["input"]
+                    e_corrupt = r_corr["input"]
                     seen = self._forward(model, inputs, e_corrupt + (k / steps) * (e_clean - e_corrupt), True, torch)
                 self._grads(seen, metric, grads, torch)
                 del seen
-        rows = self._scores(s_clean, s_corr, grads, reduction, steps, torch)
+        e = r_clean["input"]
+        rows = self._scores(self._diff(r_clean, r_corr, torch), grads, reduction, steps, e.shape[0], e.shape[-1],
+                            torch)
         meta = {"method": method, "steps": steps, "example_reduction": reduction, "n_edges": len(rows),
                 "identity_receipt": g.identity_receipt["max_budget_fraction"]}
         return EdgeScoreTable(rows, meta)
 
     def _grads(self, seen: dict[str, Any], metric: Callable, acc: dict[str, Any], torch: Any) -> None:
-        """Adds to acc[pre-norm input label] ([n_receivers, B*P, d]) the receiver-local gradients at this point: ONE
-        backward to the receivers' reads (pre-norm outputs of m{L} / logits, q/k/v projection
-        outputs), then per norm a closed-form pull-back of all its receivers' read gradients (each
-        q/k/v head's columns through its weight slice: one batched matmul)."""
+        """Adds this point's receiver-local gradients to acc[pre-norm input label]: ONE backward to the
+        receivers' reads (pre-norm outputs of m{L} / logits, q/k/v projection outputs), then per norm
+        the closed-form pull-back J^T u = inv * (a - xhat * mean(a * xhat)), a = gamma * u (centred for
+        layer_norm), u = g_cols @ W^T for a q/k/v head. Its head part is kept factored, so a point costs
+        no [heads, B*P, d] tensor: "G" accumulates inv * g_cols (the a-term, mapped to d by W^T once in
+        `_scores`) and "w" / "xhat" keep inv * mean(a * xhat) per head and xhat per point, where
+        a . xhat = g_cols . (xhat @ W^T) = g_cols . (proj_cols - b - beta @ W) is read off the live
+        projection output (no matmul). The m{L} / logits reader's pull-back goes to d directly ("m")."""
         with torch.enable_grad():
             logits = seen["logits"]
             m = metric(logits)
@@ -693,55 +761,88 @@ class _ScorePlan:
                                       if rs[-1].kind in ("mlp", "logits"))) + list(self.proj_module)
             gs = torch.autograd.grad(m.sum(), [seen[k] for k in keys], allow_unused=True)
         gmap = dict(zip(keys, gs))
-        for label, rs in self.blocks.items():
-            norm = rs[0].norm
-            nf = self.norm_fns[norm]
-            x = seen["norm_in:" + norm].detach()
-            d = x.shape[-1]
-            xf = x.reshape(-1, d)
-            if label not in acc:
-                acc[label] = xf.new_zeros((len(rs),) + tuple(xf.shape))
-            out = acc[label]
-            xhat, inv = nf.stats(xf)
-            at = 0
-            # q/k/v heads, closed form J^T u = inv * (a - mean(a) - xhat * mean(a * xhat)), a = gamma * u,
-            # u = g_cols @ W^T: `a - mean(a)` is one batched matmul with the centred folded slices
-            for plabel, cols, WT, n in self.gathers[label]:
-                gp = gmap.get(plabel)
-                if gp is not None:
-                    gsel = gp.reshape(-1, gp.shape[-1])[:, cols].to(xf.dtype).reshape(xf.shape[0], n, -1)
-                    a = torch.bmm(gsel.transpose(0, 1), WT.to(xf.dtype))  # [n, B*P, d]
-                    c = (a * xhat).sum(-1, keepdim=True) / d  # mean(a * xhat); xhat sums to 0 for layer_norm
-                    a.addcmul_(xhat.unsqueeze(0), c, value=-1)
-                    out[at:at + n].addcmul_(a, inv.unsqueeze(0))
-                at += n
-            if rs[-1].kind in ("mlp", "logits"):
-                u = gmap.get("norm:" + norm)
-                if u is not None:
-                    out[at:at + 1] += nf.vjp(xf, u.detach().reshape(1, -1, d).to(xf.dtype))
+        with torch.no_grad():
+            for label, rs in self.blocks.items():
+                nf = self.norm_fns[rs[0].norm]  # the heads' norm (a parallel block's MLP reads its own, below)
+                x = seen["norm_in:" + rs[0].norm].detach()
+                d = x.shape[-1]
+                xf = x.reshape(-1, d)
+                a = acc.setdefault(label, {"G": [None] * len(self.gathers[label]), "w": [[] for _ in
+                                                                                         self.gathers[label]],
+                                           "xhat": [], "m": None})
+                xhat, inv = nf.stats(xf)
+                if self.gathers[label]:
+                    a["xhat"].append(xhat)
+                for i, (plabel, cols, _WT, n, const) in enumerate(self.gathers[label]):
+                    gp = gmap.get(plabel)
+                    if gp is None:  # no head of this projection reaches the metric: zero at this point
+                        gsel = xf.new_zeros(xf.shape[0], const.numel())
+                        psel = gsel
+                    else:
+                        gp, pv = gp.reshape(-1, gp.shape[-1]), seen[plabel].detach().reshape(-1, gp.shape[-1])
+                        gsel = gp[:, :const.numel()] if cols is None else gp[:, cols]
+                        psel = pv[:, :const.numel()] if cols is None else pv[:, cols]
+                        gsel, psel = gsel.to(xf.dtype), psel.to(xf.dtype)
+                    c = (gsel * (psel - const.to(xf.dtype))).reshape(xf.shape[0], n, -1).sum(-1)  # [B*P, n]
+                    a["w"][i].append(c.mul_(inv / d))
+                    if a["G"][i] is None:
+                        a["G"][i] = gsel * inv
+                    else:
+                        a["G"][i].addcmul_(gsel, inv)
+                if rs[-1].kind in ("mlp", "logits"):
+                    u = gmap.get("norm:" + rs[-1].norm)
+                    if u is not None:
+                        v = self.norm_fns[rs[-1].norm].vjp(xf, u.detach().reshape(-1, d).to(xf.dtype))
+                        a["m"] = v if a["m"] is None else a["m"].add_(v)
 
-    def _scores(self, s_clean: dict[str, Any], s_corr: dict[str, Any], grads: dict[str, Any], reduction: str,
-                steps: int, torch: Any) -> dict[str, EdgeScore]:
-        """score(s -> r) = sum over positions of (s_corrupt - s_clean) . grad_r, one batched matmul per
-        receiver input (senders x receivers per row), reduced over rows."""
-        e = s_clean["input"]
-        B = e.shape[0]
-        diff = torch.stack([(s_corr[n.name].to(e.dtype) - s_clean[n.name].to(e.dtype)).reshape(B, -1)
-                            for n in self.senders], 1)  # [B, N, P*d]
+    #: (row, position) pairs per chunk of the score contraction
+    _CHUNK = 64
+
+    def _scores(self, diff: Any, acc: dict[str, Any], reduction: str, steps: int, B: int, d: int,
+                torch: Any) -> dict[str, EdgeScore]:
+        """score(s -> r) = sum over rows and positions of (s_corrupt - s_clean) . grad_r, / B for "mean",
+        / steps. Per receiver input, over chunks of (row, position) pairs (so the chunk's gradients
+        stay in cache; `_CHUNK`): grad_r of its heads = G @ W^T - sum over points of w * xhat (two batched matmuls),
+        the reader's row from "m", then ONE matmul [receivers, chunk*d] x [chunk*d, senders] added up."""
+        dt = diff.dtype
         vals: dict[tuple[str, str], float] = {}
-        for label, rs in self.blocks.items():
-            idx = [self.index[s.name] for s in rs[0].senders if s.kind != "bias"]
-            if idx == list(range(idx[0], idx[0] + len(idx))):
-                d = diff[:, idx[0]:idx[0] + len(idx)]
-            else:
-                d = diff[:, idx]
-            G = grads[label].to(e.dtype).reshape(len(rs), B, -1).permute(1, 2, 0)  # [B, P*d, R]
-            per = torch.bmm(d, G)  # [B, n_senders, R]
-            red = ((per.mean(0) if reduction == "mean" else per.sum(0)) / steps).tolist()
-            names = [self.senders[i].name for i in idx]
-            for j, r in enumerate(rs):
-                for i, sname in enumerate(names):
-                    vals[(sname, r.name)] = red[i][j]
+        with torch.no_grad():
+            for label, rs in self.blocks.items():
+                a = acc[label]
+                gathers = self.gathers[label]
+                idx = [self.index[s.name] for s in rs[0].senders if s.kind != "bias"]
+                if idx == list(range(idx[0], idx[0] + len(idx))):
+                    dsel = diff[idx[0]:idx[0] + len(idx)]
+                else:
+                    dsel = diff[idx]
+                N, R = len(idx), len(rs)
+                BP = diff.shape[1] // d
+                dv = dsel.view(N, BP, d)
+                Gs = [a["G"][i].to(dt).reshape(BP, n, WT.shape[1]).transpose(0, 1).contiguous()
+                      for i, (_p, _c, WT, n, _k) in enumerate(gathers)]  # [n, B*P, d_head]
+                ws = [torch.stack(a["w"][i], -1).to(dt) for i in range(len(gathers))]  # [B*P, n, K]
+                xh = torch.stack(a["xhat"], 1).to(dt) if gathers else None  # [B*P, K, d]
+                m = a["m"].to(dt).reshape(BP, d) if a["m"] is not None else None
+                out = diff.new_zeros((R, N))
+                for c0 in range(0, BP, self._CHUNK):
+                    c1 = min(BP, c0 + self._CHUNK)
+                    buf = diff.new_empty((R, c1 - c0, d))
+                    at = 0
+                    for i, (_p, _c, WT, n, _k) in enumerate(gathers):
+                        torch.bmm(Gs[i][:, c0:c1], WT.to(dt), out=buf[at:at + n])
+                        buf[at:at + n].sub_(torch.bmm(ws[i][c0:c1], xh[c0:c1]).transpose(0, 1))
+                        at += n
+                    if rs[-1].kind in ("mlp", "logits"):
+                        if m is None:
+                            buf[at].zero_()
+                        else:
+                            buf[at].copy_(m[c0:c1])
+                    out.addmm_(buf.reshape(R, -1), dv[:, c0:c1].reshape(N, -1).t())
+                red = (out * (1.0 / (steps * (B if reduction == "mean" else 1)))).tolist()  # [R, n_senders]
+                names = [self.senders[i].name for i in idx]
+                for j, r in enumerate(rs):
+                    for i, sname in enumerate(names):
+                        vals[(sname, r.name)] = red[j][i]
         rows: dict[str, EdgeScore] = {}
         for name, edge in self.graph.edges.items():
             score = 0.0 if edge.sender.kind == "bias" else float(vals[(edge.sender.name, edge.receiver.name)])

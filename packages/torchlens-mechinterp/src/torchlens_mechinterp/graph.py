@@ -209,11 +209,12 @@ def _writers(trace: Any) -> tuple[Any, list[tuple[str, str, str]]]:
     return w, out
 
 
-def graph_sites(trace: Any) -> list[str]:
-    """The op labels whose payloads component_graph reads (for retention_plan)."""
+def graph_sites(trace: Any, _writers_of: tuple[Any, Any] | None = None) -> list[str]:
+    """The op labels whose payloads component_graph reads (for retention_plan). `_writers_of`
+    (private): `_writers(trace)` when the caller already has it."""
     from torchlens_mechinterp.heads import head_contribution_sites
 
-    w, writers = _writers(trace)
+    w, writers = _writers_of if _writers_of is not None else _writers(trace)
     out = [w.base] + [h for h, _ in w.base_hops] + [p for p, _, _ in writers]
     for _, address, kind in writers:
         out += [_pre_norm(trace, address)[1]]
@@ -231,7 +232,8 @@ def component_graph(trace: Any, *, _views: dict[str, Any] | None = None) -> Comp
     projection's input would fail by design)."""
     import torch
 
-    from torchlens_mechinterp.heads import _qkv_view, head_rows, head_weight_views
+    from torchlens_mechinterp._common import entries
+    from torchlens_mechinterp.heads import head_rows, head_weight_views
     from torchlens_mechinterp.retention import require_payloads
 
     structure: dict[Any, Any] = _views.setdefault("__structure__", {}) if _views is not None else {}
@@ -254,7 +256,7 @@ def component_graph(trace: Any, *, _views: dict[str, Any] | None = None) -> Comp
     hf = head_facts(trace, FUNCTION)
     pre = {a: _pre_norm(trace, a) for a in attn_order + mlp_order}
     base = w.base
-    require_payloads(trace, graph_sites(trace), function=FUNCTION)
+    require_payloads(trace, graph_sites(trace, (w, writers)), function=FUNCTION)
     anc = Ancestry(trace)
     nodes: dict[str, Node] = {}
     ref = ops[hf.norm_input].out
@@ -288,7 +290,8 @@ def component_graph(trace: Any, *, _views: dict[str, Any] | None = None) -> Comp
         norm, nin, nout = pre[a]
         key = ("qkv", a)
         if key not in structure:  # structure only: shared by the rebuilds of patch_edges
-            structure[key] = {r: (_qkv_view(trace, a, r, FUNCTION)["module"], _columns(trace, a, r))
+            # the projection module of each role (the views above resolved and checked these homes)
+            structure[key] = {r: (ops[entries(trace, a)[r].spec.home].module, _columns(trace, a, r))
                               for r in ("q", "k", "v")}
         cols = structure[key]
         snd = senders_of(nin)
