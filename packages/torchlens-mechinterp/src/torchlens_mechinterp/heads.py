@@ -189,12 +189,18 @@ def head_weight_views(trace: Any, attention: Any) -> HeadWeightViews:
         "shared_storage": q["weight"] if fused else None,
         "verified": {}, "verified_skipped": [],
     }
-    # payload verification of each projection (when its input and output were saved)
+    # payload verification of each projection (when its input and output were saved); a fused
+    # q/k/v projection (GPT-2's c_attn) is one op and one weight: checked once, its verdict shared
+    checked: dict[tuple, bool] = {}
     for name, view in (("q", q), ("k", k), ("v", v)):
         op = trace._ops[view["op"]]
         src = trace._ops[op.parents[0]] if op.parents else None
         if src is None or not (op.saved and src.saved):
             receipt["verified_skipped"].append(name)
+            continue
+        key = (view["op"], view["weight"], view["orientation"], view["bias"])
+        if key in checked:
+            receipt["verified"][name] = checked[key]
             continue
         W = _in_out(trace, view["weight"], view["orientation"])
         b = trace._params[view["bias"]].value if view["bias"] else None
@@ -204,7 +210,7 @@ def head_weight_views(trace: Any, attention: Any) -> HeadWeightViews:
         budget = VIEW_HEADROOM * dtype_eps(op.out) * (1 + math.log2(W.shape[0] + 2)) * (
             x.abs() @ W.double().abs() + (b.double().abs() if b is not None else 0) + got.abs())
         ok = bool(torch.all((hand - got).abs() <= budget))
-        receipt["verified"][name] = ok
+        receipt["verified"][name] = checked[key] = ok
         if not ok:
             raise MechInterpError("mi_head_weights_unresolved", f"{function}: the {name} weight view does not "
                                   f"reproduce the captured projection {op.label!r}", remedy="report the model",
