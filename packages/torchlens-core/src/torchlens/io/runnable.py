@@ -576,9 +576,8 @@ class Runnable:
             raise InvalidArgumentError("runnable_unavailable", f"the runnable is unavailable: {'; '.join(self.reasons)}",
                                        remedy="install the backend (and the version) that saved it",
                                        reasons=list(self.reasons))
-        from torchlens.build.events import fill_template
         from torchlens.io.codec import backend_codec
-        from torchlens.replay.engine import call_op, replay_ops_from
+        from torchlens.replay.engine import Replayer
 
         trace = self._trace
         codec = backend_codec(trace._backend)
@@ -589,8 +588,8 @@ class Runnable:
         from torchlens.backends.protocol import SupportsInterventions, supports
 
         edit_ops = trace._backend.edit_ops() if supports(trace._backend, SupportsInterventions) else None
-        rops = replay_ops_from(edit_ops)
-        ev2op = {o.event_id: o for o in trace._ops.values()}
+        replayer = Replayer(trace, edit_ops)
+        ev2op = replayer.ev2op
         values: dict[str, tuple] = {}
         unverified, mismatches = [], []
         checked = 0
@@ -605,16 +604,12 @@ class Runnable:
             elif role == "output":
                 eid, slot = op.parent_slots[0]
                 outs = (values[ev2op[eid].label][slot],)
-            else:
-                def fill(ref: Any, op: Any = op) -> Any:
-                    if ref.address is not None:
-                        return state[ref.address]
-                    eid, slot = op.parent_slots[ref.index]
-                    return values[ev2op[eid].label][slot]
-
-                a = fill_template(op.args_template, fill)
-                k = fill_template(op.kwargs_template or {}, fill)
-                outs = call_op(rops, op, tuple(a), dict(k))
+            else:  # through the one replay engine: parents from this run, parameters and buffers from the state
+                missing = [a for a in op.params if a not in state]
+                if missing:
+                    raise _refuse("runnable_descriptor_invalid", f"{op.label} reads {missing[0]!r}, which the state "
+                                  "does not hold", remedy="save the trace again at level='runnable'", label=op.label)
+                outs = replayer.run(op, override=state, changed=values, protect=False)
             values[op.label] = outs
             for r in entry.get("reads", ()):
                 if not r["checkable"]:

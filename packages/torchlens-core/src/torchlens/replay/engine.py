@@ -167,10 +167,14 @@ class Replayer:
             outs = self.saved(parent)
         return self.ops.parent_value(op, ref, outs[slot])
 
-    def run(self, op: Any, override: dict[Any, Any] | None = None, changed: dict[str, tuple] | None = None) -> tuple:
+    def run(self, op: Any, override: dict[Any, Any] | None = None, changed: dict[str, tuple] | None = None,
+            protect: bool = True) -> tuple:
         """Re-execute `op`; returns its output slots. `override` replaces parents (by parent
         index) or parameters and buffers (by address); `changed` holds edited parent outputs
-        (by label). Raises `ReplayFailure` for a missing piece; the call's own exception
+        (by label). `protect=False` skips the backend's `replay_args` (the copies that keep a
+        call from writing into saved payloads or parameters): for a caller whose values are
+        all its own, where an in-place write must land as it did in the forward (a runnable
+        artifact's run). Raises `ReplayFailure` for a missing piece; the call's own exception
         propagates unchanged."""
         if op.func is None or op.args_template is None:
             raise ReplayFailure("template_missing", op, f"{op.label} ({op.func_name}) has no recorded callable and arguments")
@@ -184,8 +188,9 @@ class Replayer:
 
         args = fill_template(op.args_template, fill)
         kwargs = fill_template(op.kwargs_template or {}, fill)
-        args, kwargs = self.ops.replay_args(op, tuple(args), dict(kwargs))
-        return call_op(self.ops, op, args, kwargs)
+        if protect:
+            args, kwargs = self.ops.replay_args(op, tuple(args), dict(kwargs))
+        return call_op(self.ops, op, tuple(args), dict(kwargs))
 
 
 # validation --------------------------------------------------------------------------------
