@@ -333,7 +333,10 @@ def test_episode_fold_with_a_ledger(statuses, outcomes, want):
 ])
 def test_episode_ledger_refusals(ledger):
     b = _episode()
-    _refuses(b, "bundle_episode_ledger_invalid", b.episode_status, "ep1", episode_ledger=ledger)
+    err = _refuses(b, "bundle_episode_ledger_invalid", b.episode_status, "ep1", episode_ledger=ledger)
+    assert err.code == "bundle_episode_ledger_invalid" and err.remedy
+    # the refusal folded nothing: without a ledger the episode still reads as unknown
+    assert b.episode_status("ep1").status == "episode_unknown"
 
 
 def test_episode_unknown_id_refuses():

@@ -170,17 +170,25 @@ def _safe_fingerprint(mods: list) -> list | None:
         return None
 
 
-#: a module `__dict__`'s keys (in order) -> those that are not torch's bookkeeping
-#: (`MODULE_INTERNALS`), in the same order: a module's attributes are filtered once per key set
-_PLANS: dict[tuple, tuple] = {}
-_PLANS_MAX = 4096
+class KeyPlans(dict):
+    """A module `__dict__`'s keys (in order) -> those not in `skip`, in the same order: each key
+    set is filtered once (`plans[tuple(d)]`; at most 4,096 key sets are kept)."""
+
+    MAX = 4096
+
+    def __init__(self, skip: Any) -> None:
+        super().__init__()
+        self.skip = frozenset(skip)
+
+    def __missing__(self, keys: tuple) -> tuple:
+        if len(self) >= self.MAX:
+            self.clear()
+        plan = self[keys] = tuple(k for k in keys if k not in self.skip)
+        return plan
 
 
-def _plan(keys: tuple) -> tuple:
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
-    plan = _PLANS[keys] = tuple(k for k in keys if k not in MODULE_INTERNALS)
-    return plan
+#: the keys that are not torch's bookkeeping (`MODULE_INTERNALS`)
+_PLANS = KeyPlans(MODULE_INTERNALS)
 
 
 def _fingerprint(mods: list) -> list | None:
@@ -217,11 +225,7 @@ def _fingerprint(mods: list) -> list | None:
         np_set = m._non_persistent_buffers_set
         if np_set:
             app(sorted(np_set))
-        keys = tuple(d)
-        plan = plans.get(keys)
-        if plan is None:
-            plan = _plan(keys)
-        for k in plan:
+        for k in plans[tuple(d)]:
             v = d[k]
             if type(v) in leaf:
                 continue

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchlens_torch.describe import MODULE_INTERNALS
+from torchlens_torch.describe import MODULE_INTERNALS, KeyPlans
 
 _MISSING = object()
 _BUILTIN_CONTAINERS = (list, dict, set, tuple)
@@ -117,17 +117,8 @@ _EMPTY: dict = {}
 _NO_TENSOR_TYPES = frozenset((bytes, torch.dtype, torch.device, torch.Size, type))
 #: `__dict__` keys the snapshot skips: torch's bookkeeping (the training flag is user state)
 _SNAPSHOT_SKIP = MODULE_INTERNALS - {"training"}
-#: a module `__dict__`'s keys (in order) -> those the snapshot keeps (all but `_SNAPSHOT_SKIP`), in
-#: the same order: each key set is filtered once
-_PLANS: dict[tuple, tuple] = {}
-_PLANS_MAX = 4096
-
-
-def _plan(keys: tuple) -> tuple:
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
-    plan = _PLANS[keys] = tuple(k for k in keys if k not in _SNAPSHOT_SKIP)
-    return plan
+#: a module `__dict__`'s keys -> those the snapshot keeps (all but `_SNAPSHOT_SKIP`)
+_PLANS = KeyPlans(_SNAPSHOT_SKIP)
 
 
 def _snap_container(value: Any, depth: int = 0) -> Any:
@@ -187,9 +178,7 @@ class ModelStateSnapshot:
         for _, m in modules:
             d = m.__dict__
             keys = tuple(d)
-            plan = plans.get(keys)
-            if plan is None:
-                plan = _plan(keys)
+            plan = plans[keys]
             attrs: dict[str, Any] = {k: d[k] for k in plan}
             containers: dict[str, Any] = {}
             reach: list = []

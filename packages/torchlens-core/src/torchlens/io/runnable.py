@@ -338,21 +338,14 @@ def read(bundle: Path, manifest: dict[str, Any], trace: Any) -> "Runnable | None
     """Check runnable/ (sizes, digests, the descriptor against `trace`'s records) and return
     the `Runnable` (None when `trace` is None: `validate` checks only)."""
     from torchlens.io import blobfile
+    from torchlens.io.bundle import _read_checked
     from torchlens.io.manifest import parse_json
 
     files = manifest["runnable"]["files"]
     e = files[DESCRIPTOR]
     if e["size"] > _MAX_DESCRIPTOR:
         raise _bad("the descriptor's declared size is implausible")
-    blobfile.check_size_on_disk(str(bundle / DESCRIPTOR), DESCRIPTOR, e["size"])
-    with open(bundle / DESCRIPTOR, "rb") as f:
-        data = f.read(e["size"] + 1)
-    if len(data) != e["size"]:
-        raise ArtifactError("artifact_size_mismatch", f"{DESCRIPTOR} changed size while being read",
-                            remedy="do not modify an artifact while loading it", file=DESCRIPTOR)
-    if hashlib.sha256(data).hexdigest() != e["sha256"]:
-        raise ArtifactError("artifact_digest_mismatch", f"{DESCRIPTOR}: sha256 differs from the manifest",
-                            remedy="the file was modified or damaged; save the trace again", file=DESCRIPTOR)
+    data = _read_checked(bundle, DESCRIPTOR, e)  # size and sha256 against the manifest, as every record file
     doc = parse_json(data, DESCRIPTOR, "runnable_descriptor_invalid")
     s = files[STATE]
     blob = blobfile.read_blob(str(bundle / STATE), STATE, s["size"], s["sha256"], False)
