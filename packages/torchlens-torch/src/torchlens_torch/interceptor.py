@@ -47,6 +47,7 @@ from torchlens_torch.describe import MODULE_INTERNALS, ModelDescription
 from torchlens_torch.values import _DTYPE_NAMES, dtype_name, iter_leaves
 
 Tensor = torch.Tensor
+_get_ident = threading.get_ident
 
 #: Callables that never return a tensor: the handler passes them straight through.
 _PASSTHROUGH_NAMES = frozenset({
@@ -112,7 +113,7 @@ class FuncInfo:
     """What the handler needs to know about one callable, computed once per callable."""
 
     __slots__ = ("name", "passthrough", "inplace", "may_inplace", "inplace_index", "hidden_write", "random", "cost",
-                 "composite", "may_write", "data_set", "value_read", "note", "simple", "quiet_flag")
+                 "composite", "may_write", "data_set", "value_read", "note", "simple", "quiet_flag", "lean_write")
 
     def __init__(self, func: Any, composites: dict) -> None:
         name = getattr(func, "__name__", None) or type(func).__name__
@@ -149,6 +150,12 @@ class FuncInfo:
         # numbers (SDPA may: its dropout_p is read per call) and is not expanded
         self.simple = not (self.passthrough or self.composite is not None or self.may_write or self.data_set
                            or self.random or name == "scaled_dot_product_attention")
+        # the handler's in-place fast path (`CaptureMode._write_lean`): an in-place method or an
+        # `inplace=` functional (`relu_`, `x += y`, `F.relu(x, inplace=True)`) that is otherwise
+        # simple: no hidden write, random draw, expansion, metadata-only write or `__setitem__`
+        self.lean_write = (self.inplace or self.may_inplace) and not (
+            self.passthrough or self.composite is not None or self.hidden_write or self.data_set or self.random
+            or name in _METADATA_INPLACE or name == "__setitem__" or name == "scaled_dot_product_attention")
         # a hidden writer that is otherwise simple: (flag name, position, default) of the flag
         # under which it writes; a call with that flag False is simple (see `_writes_nothing`)
         self.quiet_flag = None
@@ -208,8 +215,14 @@ def _call_site(f: Any) -> tuple:
     if cid in stop:
         return ()
     g = f.f_back
-    if g is None or id(g.f_code) in stop:  # the common case: called from a module's forward
+    if g is None:
         return (cid, f.f_lasti)
+    gid = id(g.f_code)
+    if gid in stop:  # the common case: called from a module's forward
+        return (cid, f.f_lasti)
+    h = g.f_back
+    if h is None or id(h.f_code) in stop:  # two frames (a functional called from a forward)
+        return (cid, f.f_lasti) if gid == cid else (cid, f.f_lasti, gid, g.f_lasti)
     site: list = []
     codes: list = []
     for _ in range(_MAX_SITE_FRAMES):
@@ -238,6 +251,13 @@ _REFS: tuple[ArgRef, ...] = tuple(ArgRef(i) for i in range(64))
 
 def _ref(i: int) -> ArgRef:
     return _REFS[i] if i < 64 else ArgRef(i)
+
+
+#: `ArgRef(-1, address)` of each parameter address met so far, shared by every capture of the
+#: process (ArgRef is frozen and equal by value; a new one costs a dataclass construction).
+#: Cleared when it passes `_PARAM_REFS_MAX` entries.
+_PARAM_REFS: dict[str, ArgRef] = {}
+_PARAM_REFS_MAX = 200_000
 
 
 #: Per-callable facts, shared by every capture of the process (they never change).
@@ -306,7 +326,11 @@ class Recorder:
         self.value_reads: dict[int, set] = {}
         # event id -> buffer addresses the forward rebound to that op's output
         self.buffer_rebinds: dict[int, list[str]] = {}
-        self.param_refs: dict[str, ArgRef] = {}  # address -> its ArgRef (shared by the templates)
+        if len(_PARAM_REFS) > _PARAM_REFS_MAX:
+            _PARAM_REFS.clear()
+        # output_names.install: called by `post_hook` for a call that returned a container
+        self.name_outputs: Callable[[Any, str, int, Any], None] | None = None
+        self.param_refs: dict[str, ArgRef] = _PARAM_REFS  # address -> its ArgRef (shared by the templates)
 
     # sources ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -317,10 +341,12 @@ class Recorder:
     def add_source(self, kind: str, t: Tensor, path: str | None, stack: tuple = ()) -> tuple[int, int]:
         if self.budget is not None:
             self.charge((t,), kind)
-        eid = self._new_id()
+        eid = self.next_id
+        self.next_id = eid + 1
         saved = self.save_payloads
+        dtype = t.dtype
         self.events.append(OpEvent(eid, kind, kind, (), (self.save_fn(t) if saved else None,), (tuple(t.shape),),
-                                   (dtype_name(t.dtype),), stack, None, (), path, saved))
+                                   (_DTYPE_NAMES.get(dtype) or dtype_name(dtype),), stack, None, (), path, saved))
         tag = (eid, 0)
         self.tags[id(t)] = tag
         self.keep.append(t)
@@ -376,20 +402,26 @@ class Recorder:
             parents.append(self.add_source("constant", t, None, self.stack))
 
     def _arg(self, a: Tensor, parents: list, params: list) -> ArgRef:
-        """Resolve one tensor argument and return the template slot standing for it."""
-        tag = self.tags.get(id(a))
-        if tag is not None:
-            parents.append(tag)
-            return _ref(len(parents) - 1)
-        addr = self.param_address.get(id(a))
-        if addr is not None and id(a) not in self.params_written:
-            params.append(addr)
-            ref = self.param_refs.get(addr)
-            if ref is None:
-                ref = self.param_refs[addr] = ArgRef(-1, addr)
-            return ref
-        self._resolve(a, parents, params)
-        return _ref(len(parents) - 1)
+        """Resolve one tensor argument and return the template slot standing for it
+        (`_resolve`'s order, inline: an op's output, a parameter, a buffer, a constant)."""
+        key = id(a)
+        tag = self.tags.get(key)
+        if tag is None:
+            addr = self.param_address.get(key)
+            if addr is not None and key not in self.params_written:
+                params.append(addr)
+                ref = self.param_refs.get(addr)
+                if ref is None:
+                    ref = self.param_refs[addr] = ArgRef(-1, addr)
+                return ref
+            addr = self.buffer_address.get(key)
+            if addr is not None:
+                tag = self.add_source("buffer", a, addr, self.stack)
+            else:
+                tag = self.add_source("constant", a, None, self.stack)
+        parents.append(tag)
+        n = len(parents)
+        return _REFS[n - 1] if n <= 64 else ArgRef(n - 1)
 
     def _resolve_args(self, args: tuple, kwargs: dict) -> tuple[list, list, tuple, dict]:
         """Parents, parameters read, and the argument templates replay fills back in."""
@@ -462,15 +494,19 @@ class Recorder:
             else:
                 saved_outs = (None,) * len(outs)
         else:
-            o = outs[0]
+            o = outs[0]  # a tensor (the call's result, or the tensor `__setitem__` wrote)
             shapes = (tuple(o.shape),)
-            dtypes = (dtype_name(o.dtype),)
+            dt = o.dtype
+            dtypes = (_DTYPE_NAMES.get(dt) or dtype_name(dt),)
             if cow is not None:
                 saved_outs = (cow(o),)
             else:
                 saved_outs = (self.save_fn(o),) if self.save_payloads else (None,)
         meta: dict[str, Any] = {"duration_s": duration}
-        if any(isinstance(o, Tensor) and o.requires_grad for o in outs):
+        if not multi:
+            if outs[0].requires_grad:
+                meta["requires_grad"] = (True,)
+        elif any(isinstance(o, Tensor) and o.requires_grad for o in outs):
             meta["requires_grad"] = tuple(isinstance(o, Tensor) and o.requires_grad for o in outs)
         if info.cost is not None:
             try:
@@ -905,7 +941,7 @@ class Recorder:
         """Global buffer-registration hook: `module.name = tensor` rebinds a buffer during the
         forward. The op that produced `tensor` becomes that buffer's next version, and later
         in-place writes to `tensor` are versions too."""
-        if not isinstance(tensor, Tensor) or threading.get_ident() != self.thread:
+        if not isinstance(tensor, Tensor) or _get_ident() != self.thread:
             return None
         maddr = self.module_address.get(id(module))
         if maddr is None:
@@ -937,7 +973,7 @@ class Recorder:
         addr = self.module_address.get(id(module))
         if addr is None:
             return None
-        if threading.get_ident() != self.thread:  # global hooks fire in every thread
+        if _get_ident() != self.thread:  # global hooks fire in every thread
             self.foreign_threads.add(threading.current_thread().name)
             return None
         n = self.call_counts.get(addr, 0) + 1
@@ -959,7 +995,7 @@ class Recorder:
         # forward raised
         kwargs, output = rest if len(rest) == 2 else ({}, rest[0] if rest else None)
         addr = self.module_address.get(id(module))
-        if addr is None or threading.get_ident() != self.thread:
+        if addr is None or _get_ident() != self.thread:
             return None
         stack = self.stack
         # pop this module's frame (the innermost one with its address; the last one, as a rule)
@@ -996,6 +1032,8 @@ class Recorder:
                 else:
                     self._exit_source(t, stack[: j + 1], ids)
         self.events.append(ModuleExit(addr, call, tuple(ids)))
+        if output is not None and type(output) is not Tensor and len(rest) == 2 and self.name_outputs is not None:
+            self.name_outputs(module, addr, call, output)  # structural output names (output_names.py)
         return None
 
     def _exit_source(self, t: Tensor, stack: tuple, ids: list) -> None:
@@ -1062,6 +1100,19 @@ class CaptureMode(TorchFunctionMode):
                     site = _call_site(f)
                 return rec.record_one(func, info, args, kwargs, out, duration, site)
             return self._finish(func, info, args, kwargs, out, duration, None, None, None)
+        if info.lean_write and self.lean and args and "out" not in kwargs:
+            a0 = args[0]
+            if isinstance(a0, Tensor):
+                if info.inplace or _inplace_flag(info, args, kwargs):
+                    if a0._base is None:  # not a write through a view (that also records its base)
+                        return self._write_lean(func, info, args, kwargs, a0)
+                elif info.may_inplace:  # `inplace=False`: a simple call
+                    t0 = perf_counter()
+                    out = func(*args, **kwargs)
+                    duration = perf_counter() - t0
+                    if isinstance(out, Tensor):
+                        return rec.record_one(func, info, args, kwargs, out, duration, _call_site(sys._getframe(1)))
+                    return self._finish(func, info, args, kwargs, out, duration, None, None, None)
         if info.passthrough:
             if info.value_read and args:
                 rec.note_value_read(args[0], info.name)
@@ -1094,6 +1145,30 @@ class CaptureMode(TorchFunctionMode):
             out = func(*args, **kwargs)
             duration = perf_counter() - t0
         return self._finish(func, info, args, kwargs, out, duration, pre, view_base, rng)
+
+    def _write_lean(self, func: Any, info: FuncInfo, args: tuple, kwargs: dict, a0: Tensor) -> Any:
+        """The general path's steps for an in-place write to `a0` (not a view) under a lean
+        capture, without its dispatch on the kind of write: the sources are read, the payloads
+        sharing `a0`'s storage copied and a parameter it writes guarded, before the call."""
+        rec = self.rec
+        pre = rec._resolve_args(args, kwargs)  # read sources before the write changes them
+        if rec.pending:
+            rec.flush(a0)
+        guard = rec.param_guard
+        if guard is not None and guard.by_storage:
+            tags = rec.tags
+            for p in guard.before_write(a0):
+                tags.pop(id(p), None)
+        t0 = perf_counter()
+        out = func(*args, **kwargs)
+        duration = perf_counter() - t0
+        if not isinstance(out, Tensor):
+            return self._finish(func, info, args, kwargs, out, duration, pre, None, None)
+        # `_finish`'s `inplace` for one tensor result: a method always, a functional when it
+        # returned its argument
+        inplace = info.inplace or out is a0
+        return rec.record(func, info, args, kwargs, out, (out,), False, inplace, pre, duration, None,
+                          _call_site(sys._getframe(2)))
 
     def _finish(self, func: Any, info: FuncInfo, args: tuple, kwargs: dict, out: Any, duration: float, pre: Any,
                 view_base: Any, rng: Any) -> Any:

@@ -1,5 +1,5 @@
 """Structural output names of module calls (facets spec, "Structural output names come from
-the captured ContainerSpec"): while capturing, one global forward hook notes, for each module
+the captured ContainerSpec"): while capturing, the recorder's global forward hook notes, for each module
 call that returned a container (not one plain tensor), the container path of every returned
 tensor; after the build they are stored per call as
 
@@ -10,19 +10,14 @@ Names: a named field keeps its name (`values`/`indices` of `torch.topk`, a Model
 recurrent layers whose tuples torch documents by name get those names (`nn.LSTM`: `output`,
 `h_n`, `c_n`; `nn.GRU`/`nn.RNN`: `output`, `h_n`). The positional name is kept alongside so a
 typed path `(1, 0)` or `"out1.0"` still resolves. A call returning one plain tensor records
-nothing (its facet is `out`): the hook returns at its first test, so capture cost stays low."""
+nothing (its facet is `out`): the hook tests its type and moves on, so capture cost stays low."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import threading
 from typing import Any
 
 from torch import Tensor, nn
-from torch.nn.modules import module as _nn_module
-
-from torchlens.backends.sdk import ModuleExit
 
 #: torch's documented names of recurrent layers' positional outputs, by positional path
 _DOCUMENTED: dict[type, dict[tuple, str]] = {
@@ -92,34 +87,37 @@ def leaf_names(module: Any, output: Any) -> list[tuple[str, str, Tensor]]:
     return result
 
 
-def install(rec: Any) -> Any:
-    """Register the naming hook for this capture; returns its handle (removed with the
-    recorder's hooks); `store` reads the names from it."""
-    names: dict[tuple[str, int], list] = {}
-    tags, events, module_address, thread = rec.tags, rec.events, rec.module_address, rec.thread
+class _Names:
+    """What `install` returns: the names noted so far, removed with the recorder's hooks
+    (it registers no hook of its own, so `remove` has nothing to undo)."""
 
-    def hook(module: Any, args: tuple, output: Any) -> None:
-        if type(output) is Tensor or output is None:
-            return None
-        addr = module_address.get(id(module))
-        if addr is None or threading.get_ident() != thread or not events:
-            return None
-        ev = events[-1]  # the recorder's own post hook ran first and closed this call
-        if type(ev) is not ModuleExit or ev.address != addr:
-            return None
+    id = None
+
+    def __init__(self) -> None:
+        self._tl_output_names: dict[tuple[str, int], list] = {}
+
+    def remove(self) -> None:
+        return None
+
+
+def install(rec: Any) -> Any:
+    """Have the recorder's own global forward hook (`Recorder.post_hook`) call the namer for
+    every module call of this capture that returned a container (one hook call per module
+    call, not two); returns the handle `store` reads the names from."""
+    handle = _Names()
+    names = handle._tl_output_names
+    tags = rec.tags
+
+    def name_outputs(module: Any, addr: str, call: int, output: Any) -> None:
         rows = []
         for name, pos, t in leaf_names(module, output):
             tag = tags.get(id(t))
             if tag is not None:
                 rows.append((name, pos, tag[0], tag[1]))
         if rows:
-            names[(addr, ev.call)] = rows
-        return None
+            names[(addr, call)] = rows
 
-    dynamo = sys.modules.get("torch._dynamo")
-    registered = dynamo.disable(hook) if dynamo is not None else hook
-    handle = _nn_module.register_module_forward_hook(registered)
-    handle._tl_output_names = names  # type: ignore[attr-defined]
+    rec.name_outputs = name_outputs
     return handle
 
 
