@@ -63,6 +63,54 @@ def test_lean_path_records_what_the_general_path_records():
     assert torch.equal(lean.output, model(x))
 
 
+class Writes(nn.Module):
+    """In-place writes of every kind the in-place fast path (`CaptureMode._write_lean`) takes or
+    must leave to the general path: `inplace=True` functionals and modules, `+=`, a method
+    `add_`, `inplace=False`, a write to a buffer, a write to a parameter, a write through a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.act = nn.ReLU(inplace=True)
+        self.register_buffer("acc", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.bn(self.fc(x)))
+        g = F.relu(h - 0.1, inplace=False)
+        h += g
+        h.add_(1.0)
+        F.hardtanh(h, 0.0, 2.0, inplace=True)
+        self.acc.add_(h.sum(0))
+        with torch.no_grad():
+            self.fc.bias.add_(0.5)
+        h[:, :2].mul_(3.0)  # through a view: the general path, which also records the base's new version
+        return h * self.acc
+
+
+def test_in_place_fast_path_records_what_the_general_path_records():
+    torch.manual_seed(0)
+    model, x = Writes().eval(), torch.randn(4, 6)
+    with torch.no_grad():
+        bn_ref = model.bn(model.fc(x))  # the value the in-place ReLU overwrites, computed independently
+    lean = tl.trace(model, x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    general = tl.trace(model, x, capture=tl.CaptureOptions(save_budget=10**9))
+    assert _record_view(lean) == _record_view(general)
+    for a, b in zip(lean.ops, general.ops):
+        for p, q in zip(a._outputs, b._outputs):
+            assert (p is None and q is None) or torch.equal(p, q)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())  # buffer and bias restored
+    # the batch norm's payload is its value before the in-place ReLU wrote it (a forward hook's copy)
+    bn_op = next(op for op in lean.ops if op.func_name == "batch_norm")
+    assert torch.equal(bn_op.out, bn_ref) and (bn_ref < 0).any()
+    writes = [op for op in lean.ops if op.is_inplace]
+    assert [op.func_name for op in writes] == ["relu", "add_", "add_", "hardtanh", "add_", "add_", "mul_"]
+    assert any(op.func_name == "as_strided_scatter" and op.meta.get("view_write") for op in lean.ops)
+    assert any(op.meta.get("buffer_write") == ("acc",) for op in writes)
+    assert torch.equal(lean.output, model(x))
+
+
 def test_gc_paused_during_the_capture_only():
     seen = []
 
