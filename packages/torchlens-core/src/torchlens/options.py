@@ -3,7 +3,7 @@ keyword; values outside their vocabulary raise typed errors at construction."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from torchlens.errors import InterventionError, InvalidArgumentError
@@ -93,7 +93,16 @@ class CaptureOptions:
             object.__setattr__(self, "snapshot_params", True)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field by name (what `dataclasses.asdict` gives: the values are immutable
+        scalars, so no deep copy is made; this runs once per capture)."""
+        names = _FIELD_NAMES.get(type(self))
+        if names is None:
+            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in fields(self))
+        return {n: getattr(self, n) for n in names}
+
+
+#: dataclass field names per options class (read by `as_dict`)
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -114,8 +123,6 @@ class TraceOptions(CaptureOptions):
 
     def capture_options(self) -> CaptureOptions:
         """The `CaptureOptions` part, to capture again the same way."""
-        from dataclasses import fields
-
         return CaptureOptions(**{f.name: getattr(self, f.name) for f in fields(CaptureOptions)})
 
 

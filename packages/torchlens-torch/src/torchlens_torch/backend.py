@@ -86,24 +86,18 @@ class TorchBackend:
 
     # identity ---------------------------------------------------------------------------
     def capabilities(self) -> BackendCapabilities:
-        return BackendCapabilities(
-            backward_capture=True,
-            fastlog=False,
-            interventions=True,
-            rng_replay=False,
-            streaming=False,
-            structure_only_capture=True,
-            validation_replay=True,
-            payload_materialization=True,
-            intermediate_derived_grads=False,
-        )
+        return _CAPABILITIES  # frozen: one object (read several times per capture)
 
     def runtime_available(self) -> str | None:
-        try:
-            version = self.framework.installed_version() or torch.__version__
-            return None if self.framework.contains(version) else "runtime_version_unsupported"
-        except Exception:  # never raises
-            return "runtime_missing"
+        # torch is imported (this module imports it): its version cannot change in this
+        # process, so the answer is computed once (it is read at every capture)
+        if not _RUNTIME:
+            try:
+                version = self.framework.installed_version() or torch.__version__
+                _RUNTIME.append(None if self.framework.contains(version) else "runtime_version_unsupported")
+            except Exception:  # never raises
+                return "runtime_missing"
+        return _RUNTIME[0]
 
     def trace_options(self) -> frozenset[str]:
         return _TRACE_OPTIONS
@@ -245,6 +239,22 @@ class TorchBackend:
         from torchlens_torch.codec import TorchCodec
 
         return TorchCodec()
+
+
+#: `TorchBackend.runtime_available`'s answer, once computed
+_RUNTIME: list[str | None] = []
+
+_CAPABILITIES = BackendCapabilities(
+    backward_capture=True,
+    fastlog=False,
+    interventions=True,
+    rng_replay=False,
+    streaming=False,
+    structure_only_capture=True,
+    validation_replay=True,
+    payload_materialization=True,
+    intermediate_derived_grads=False,
+)
 
 
 def _root_module(model: Any) -> nn.Module | None:
