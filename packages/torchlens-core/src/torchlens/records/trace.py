@@ -466,7 +466,9 @@ class Trace(TraceLike):
     """Operations, dataflow edges, module context, selected payloads and capture metadata
     of one forward pass. `tl.trace(...)` returns one."""
 
-    def __init__(self) -> None:
+    def __init__(self, provenance: Provenance | None = None, cost: Cost | None = None) -> None:
+        # `provenance` / `cost`: a builder that has them already passes them (no placeholder
+        # records made only to be replaced)
         self._ops: dict[str, Op] = {}
         self._layers: dict[str, Layer] = {}
         self._modules: dict[str, Module] = {}
@@ -476,9 +478,9 @@ class Trace(TraceLike):
         self._output: Any = None
         self._output_state: str | None = None  # None: held; else a PayloadUnavailable code
         self.uncalled_modules: list[str] = []
-        self.provenance: Provenance = Provenance(backend="?")
+        self.provenance: Provenance = provenance if provenance is not None else Provenance(backend="?")
         self.options: Any = None
-        self._cost: Cost = Cost()
+        self._cost: Cost = cost if cost is not None else Cost()
         self.annotations: dict[str, Any] = {}
         self.name: str = "root"
         self._backend: Any = None  # the BackendProtocol object, for verbs that execute code
