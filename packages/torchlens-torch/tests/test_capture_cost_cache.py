@@ -103,16 +103,34 @@ def test_repeated_captures_follow_every_model_change() -> None:
 
 
 def test_a_list_attribute_is_walked_every_time() -> None:
-    """A module holding a container (which can change in place) is never served from the
-    cache: a tensor appended to it between captures is listed as a module-held buffer."""
+    """A module holding a container (which can change in place) is cached, and its container is
+    walked again at every capture (session 8: the fingerprint reads the tensors the
+    description's walk finds in it): a tensor appended to it between captures is listed as a
+    module-held buffer, and so is one set on a plain object the module holds."""
+
+    class Config:
+        def __init__(self) -> None:
+            self.width = 4
+
     model = Net().eval()
     model.extra = []
+    model.config = Config()
     x = torch.randn(1, 3, 4, 4)
     tl.trace(model, x)
-    assert _describe._CACHE[id(model)].fingerprint is None  # remembered as "walk afresh"
+    assert _describe._CACHE[id(model)].fingerprint is not None
     model.extra.append(torch.ones(2))
     trace = tl.trace(model, x)
     assert [a for a in trace._buffers if a.startswith("extra")] == ["extra.0"]
+    trace = tl.trace(model, x)  # (the cached walk now)
+    assert [a for a in trace._buffers if a.startswith("extra")] == ["extra.0"]
+    model.extra[0] = torch.zeros(3)
+    model.config.table = torch.ones(5)
+    trace = tl.trace(model, x)
+    assert [(a, b.shape) for a, b in trace._buffers.items() if a.startswith(("extra", "config"))] == [
+        ("extra.0", (3,)), ("config[table]", (5,))]
+    model.extra.clear()
+    trace = tl.trace(model, x)
+    assert [a for a in trace._buffers if a.startswith(("extra", "config"))] == ["config[table]"]
 
 
 def test_cache_holds_no_strong_reference_to_the_model() -> None:

@@ -6,6 +6,7 @@ with the trace) so recipes read head counts and dims from the record, never the 
 from __future__ import annotations
 
 import operator
+from itertools import chain
 from typing import Any
 
 _ATOMIC = (bool, int, float, str)
@@ -61,6 +62,10 @@ def config_scalars(config: Any) -> dict[str, Any]:
 #: values, so a module holding the same objects under the same names gets it again without the walk
 _MEMO: dict[int, tuple[tuple, tuple, dict[str, Any]]] = {}
 _MEMO_MAX = 4096
+#: id(root module) -> (each module's attribute names, each module's address and whether it has a record, every module's
+#: attribute values in order, the records made from them): the same for a whole model whose
+#: attributes are all plain values and whose modules the forward left untouched
+_WHOLE: dict[int, tuple[list, list, list, dict[str, dict[str, Any]]]] = {}
 
 
 def snapshot(trace: Any, modules: Any, state: Any = None) -> None:
@@ -72,8 +77,20 @@ def snapshot(trace: Any, modules: Any, state: Any = None) -> None:
     configs: dict[int, dict[str, Any]] = {}
     out: dict[str, dict[str, Any]] = {}
     shapes = None
-    if state is not None and len(state.entries) == len(modules):
-        shapes = zip(state.untouched_flags(), state.shapes)
+    whole = None
+    if state is not None and len(state.mods) == len(modules) and False not in state.untouched_flags():
+        # the whole model at once: the same attribute names and the same (plain) value objects in
+        # every module, and the same modules with records, as at a capture whose result is kept
+        whole = (state.plans, [(a, a in records) for a, _ in modules])
+        last = _WHOLE.get(id(modules[0][1])) if modules else None
+        if (last is not None and last[0] == whole[0] and last[1] == whole[1]
+                and all(map(operator.is_, chain.from_iterable(state.rows), last[2]))):
+            if last[3]:
+                trace.annotations["module_custom_attributes"] = {a: dict(v) for a, v in last[3].items()}
+            return
+    if state is not None and len(state.mods) == len(modules):
+        # per module: (untouched, the snapshot's attribute names, their values)
+        shapes = zip(state.untouched_flags(), state.plans, state.rows)
         if len(_MEMO) > _MEMO_MAX:
             _MEMO.clear()
     for address, module in modules:
@@ -81,7 +98,7 @@ def snapshot(trace: Any, modules: Any, state: Any = None) -> None:
         if address not in records:
             continue
         if shape is not None and shape[0]:
-            _, names, values = shape[1]
+            _, names, values = shape
             hit = _MEMO.get(id(module))
             if hit is not None and hit[0] == names and all(map(operator.is_, hit[1], values)):
                 if hit[2]:
@@ -103,7 +120,7 @@ def snapshot(trace: Any, modules: Any, state: Any = None) -> None:
             elif _atomic(v):
                 attrs[k] = _plain(v)
         if shape is not None and shape[0] and plain:
-            _, names, values = shape[1]
+            _, names, values = shape
             if all(type(v) in exact or type(v) is tuple and exact_items.issuperset(map(type, v)) for v in values):
                 _MEMO[id(module)] = (names, values, dict(attrs))
         if config is not None:
@@ -115,6 +132,13 @@ def snapshot(trace: Any, modules: Any, state: Any = None) -> None:
                 attrs[f"config.{k}"] = v
         if attrs:
             out[address] = attrs
+    if whole is not None:
+        values = list(chain.from_iterable(state.rows))
+        if all(type(v) in exact or type(v) is tuple and exact_items.issuperset(map(type, v)) for v in values):
+            # (plain values only: they keep nothing alive)
+            if len(_WHOLE) >= _MEMO_MAX:
+                _WHOLE.clear()
+            _WHOLE[id(modules[0][1])] = (whole[0], whole[1], values, {a: dict(v) for a, v in out.items()})
     if out:
         trace.annotations["module_custom_attributes"] = out
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import operator
 import random
 import sys
+from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchlens_torch.describe import MODULE_INTERNALS, KeyPlans
+from torchlens_torch.describe import MODULE_INTERNALS, QUICK_KEYS, USER_PLANS
 
 _MISSING = object()
 _BUILTIN_CONTAINERS = (list, dict, set, tuple)
@@ -111,14 +112,15 @@ _ATOM_TYPES = frozenset(_ATOMS)
 _MUTABLE = frozenset((list, dict, set))
 #: Buffer copies up to this many bytes in all are kept for the next capture of the same model
 _KEEP_COPIES_BYTES = 8 << 20
-#: The snapshot of an empty registry (read only: `_restore_dict` never writes its `saved`)
+#: The container snapshots of a module holding none (shared, read only)
 _EMPTY: dict = {}
 #: Attribute types that hold no tensor (`reach_plan` leaves them out)
 _NO_TENSOR_TYPES = frozenset((bytes, torch.dtype, torch.device, torch.Size, type))
 #: `__dict__` keys the snapshot skips: torch's bookkeeping (the training flag is user state)
 _SNAPSHOT_SKIP = MODULE_INTERNALS - {"training"}
-#: a module `__dict__`'s keys -> those the snapshot keeps (all but `_SNAPSHOT_SKIP`)
-_PLANS = KeyPlans(_SNAPSHOT_SKIP)
+#: a module `__dict__`'s keys -> those the snapshot keeps (all but `_SNAPSHOT_SKIP`; the same
+#: filter as the description's quick test, whose reading the snapshot takes over: `describe.Facts`)
+_PLANS = USER_PLANS
 
 
 def _snap_container(value: Any, depth: int = 0) -> Any:
@@ -162,86 +164,231 @@ def _restore_in_place(current: Any, snap: Any) -> Any:
     return current
 
 
+_DICT = operator.attrgetter("__dict__")
+#: `operator.call` (Python 3.11+), for `map(_call, functions, arguments)`
+_call = getattr(operator, "call", None) or (lambda f, x: f(x))
+#: a module `__dict__` -> its registries (the order of `ModelStateSnapshot.regs`, three per module)
+_REGISTRIES = operator.itemgetter("_parameters", "_buffers", "_modules")
+_META = operator.attrgetter("shape", "dtype", "device")
+
+
+class _Getters(dict):
+    """A module `__dict__`'s keys (in order) -> (the snapshot's keys: all but `_SNAPSHOT_SKIP`,
+    a function reading their values from the `__dict__` as one tuple); at most 4,096 key sets."""
+
+    MAX = 4096
+
+    def __missing__(self, keys: tuple) -> tuple:
+        if len(self) >= self.MAX:
+            self.clear()
+        plan = _PLANS[keys]
+        if not plan:
+            get = _no_values
+        elif len(plan) == 1:
+            get = (lambda d, _g=operator.itemgetter(plan[0]): (_g(d),))
+        else:
+            get = operator.itemgetter(*plan)
+        got = self[keys] = (plan, get)
+        return got
+
+
+def _no_values(_d: dict) -> tuple:
+    return ()
+
+
+_GETTERS = _Getters()
+
+
+def _classify(row: tuple) -> tuple[tuple, tuple]:
+    """Positions in one module's attribute values of (the values snapshotted as containers:
+    builtin containers, tensors, tuples holding more than scalars; the values that can hold a
+    tensor: those, and other objects but `_NO_TENSOR_TYPES`). Most attributes are scalars."""
+    atoms = _ATOM_TYPES
+    containers: list[int] = []
+    reach: list[int] = []
+    for i, v in enumerate(row):
+        t = type(v)
+        if t in atoms:
+            continue
+        if t is tuple:
+            if atoms.issuperset(map(type, v)):  # a Conv2d's `kernel_size`: cannot change in place
+                continue
+        elif t not in _MUTABLE and not isinstance(v, torch.Tensor):
+            if t not in _NO_TENSOR_TYPES:
+                reach.append(i)
+            continue  # other objects: tracked by identity only
+        reach.append(i)
+        containers.append(i)
+    return tuple(containers), tuple(reach)
+
+
+_AFTER_QUICK_KEYS = operator.itemgetter(slice(len(QUICK_KEYS), None))
+
+
+class _Classes:
+    """`_classify` of every module of one model, kept in the description's scratch: it holds
+    for a later capture whose attribute keys, value types and tuples (by identity: `hold`, tuples
+    of scalars only, which keep nothing alive) are the ones it was taken from."""
+
+    __slots__ = ("keys", "types", "tuples", "hold", "per_module", "any", "quick")
+
+    def __init__(self, keys: list, rows: list, flat: list) -> None:
+        self.keys = keys
+        self.quick = None  # the description's quick test under which these still hold
+        self.types = list(map(type, flat))
+        self.per_module = [_classify(r) for r in rows]
+        self.any = any(c or r for c, r in self.per_module)
+        pos = [i for i, v in enumerate(flat) if type(v) is tuple]
+        self.tuples = _pick(pos)
+        self.hold = self.tuples(flat)
+
+    def cacheable(self) -> bool:
+        atoms = _ATOM_TYPES
+        return all(atoms.issuperset(map(type, t)) for t in self.hold)
+
+    def holds(self, keys: list, flat: list) -> bool:
+        return (keys == self.keys and list(map(type, flat)) == self.types
+                and all(map(operator.is_, self.tuples(flat), self.hold)))
+
+
+def _pick(positions: list[int]) -> Any:
+    """A function returning the items of a sequence at `positions` as a tuple (any length)."""
+    if not positions:
+        return lambda _s: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda s: (s[i],)
+    return operator.itemgetter(*positions)
+
+
 class ModelStateSnapshot:
-    """Everything a default (pure-observer) capture puts back after the forward."""
+    """Everything a default (pure-observer) capture puts back after the forward.
+
+    Per module: its `__dict__` keys (in order), the values of its own attributes (all keys but
+    torch's bookkeeping, `_SNAPSHOT_SKIP`) as one tuple read in C, snapshots of the values that
+    can change in place (builtin containers, tensors) and its registries' entries. The model-wide
+    questions after the forward ("did it add, remove or rebind any attribute?", "any registry
+    entry?", "any buffer's bytes?") are each answered in one pass over the whole model; only a
+    module the forward touched is handled on its own."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]], scratch: dict | None = None) -> None:
-        self.entries: list[tuple[nn.Module, dict, dict, dict, dict, dict]] = []
-        # per entry: the module's attribute keys, and its plain attributes' keys and values, for
-        # `_untouched` (a C-level check that the forward added, removed and rebound nothing)
-        self.shapes: list[tuple[Any, tuple, tuple]] = []
-        # per entry: the attribute values that are neither scalars nor tuples of scalars (what
-        # can hold a tensor: see `reach_plan`)
-        self.reach: list[list] = []
-        self._flags: list[bool] | None = None  # `_untouched` per entry, once the forward is over
-        atoms, plans = _ATOM_TYPES, _PLANS
-        for _, m in modules:
-            d = m.__dict__
-            keys = tuple(d)
-            plan = plans[keys]
-            attrs: dict[str, Any] = {k: d[k] for k in plan}
-            containers: dict[str, Any] = {}
-            reach: list = []
-            for k in [k for k, v in attrs.items() if type(v) not in atoms]:  # (most attributes are scalars)
-                v = attrs[k]
-                t = type(v)
-                if t is tuple:
-                    if atoms.issuperset(map(type, v)):  # a Conv2d's `kernel_size`: cannot change in place
-                        continue
-                elif t not in _MUTABLE and not isinstance(v, torch.Tensor):
-                    if t not in _NO_TENSOR_TYPES:
-                        reach.append(v)
-                    continue  # other objects: tracked by identity only
-                reach.append(v)
-                containers[k] = _snap_container(v)
-            ps, bs, ms = m._parameters, m._buffers, m._modules
-            # (an empty registry is the common case: one shared empty dict, never written)
-            self.entries.append((m, attrs, containers, dict(ps) if ps else _EMPTY, dict(bs) if bs else _EMPTY,
-                                 dict(ms) if ms else _EMPTY))
-            self.shapes.append((keys, plan, tuple(attrs.values())))
-            self.reach.append(reach)
+        mods = self.mods = [m for _, m in modules]
+        # what the description's quick test read of the model at this capture (a description
+        # rebuilt from the cache): the same values, not read again
+        facts = getattr(modules, "facts", None) if scratch is not None else None
+        if facts is not None:
+            modules.facts = None
+            keys = self.keys = facts.keys
+            self.getters, self.plans = facts.getters, facts.user_plans
+            self.rows_full, self.flat = facts.rows, facts.flat  # (`QUICK_KEYS`' values first)
+            rows = self.rows = list(map(_AFTER_QUICK_KEYS, facts.rows))
+        else:
+            dicts = list(map(_DICT, mods))
+            keys = self.keys = list(map(tuple, dicts))
+            plans_getters = list(map(_GETTERS.__getitem__, keys))
+            self.plans = [pg[0] for pg in plans_getters]
+            self.getters = [pg[1] for pg in plans_getters]
+            rows = self.rows = self.rows_full = list(map(_call, self.getters, dicts))
+            self.flat = list(chain.from_iterable(rows))
+        # which values are containers / can hold a tensor: the last capture's answer while the keys,
+        # the value types and the tuples are the same (a model described from the cache; under the
+        # same quick test, which checked exactly that)
+        classes = scratch.get("snapshot_classes") if scratch is not None else None
+        if classes is None or facts is None or classes.quick is not facts.quick:
+            flat = self.flat if facts is None else list(chain.from_iterable(rows))
+            if classes is None or not classes.holds(keys, flat):
+                classes = _Classes(keys, rows, flat)
+                if scratch is not None and classes.cacheable():
+                    scratch["snapshot_classes"] = classes
+            classes.quick = facts.quick if facts is not None else None
+        per_module = classes.per_module
+        self.containers: list[dict] = [_EMPTY] * len(mods)  # per module: attribute -> snapshot
+        self.reach: list[tuple] = [()] * len(mods)  # per module: the values that can hold a tensor (`reach_plan`)
+        if classes.any:
+            for i, (row, plan, (cidx, ridx)) in enumerate(zip(rows, self.plans, per_module)):
+                if cidx:
+                    self.containers[i] = {plan[j]: _snap_container(row[j]) for j in cidx}
+                if ridx:
+                    self.reach[i] = tuple(row[j] for j in ridx)
+        self._flags: list[bool] | None = None  # `_untouched` per module, once the forward is over
+        # registrations: each module's `_parameters`, `_buffers`, `_modules` (the objects and copies)
+        if facts is not None:
+            regs = self.regs = facts.regs
+            self.reg_lens, self.reg_keys, self.reg_values = facts.reg_lens, facts.reg_keys, facts.reg_values
+        else:
+            regs = self.regs = list(chain.from_iterable(map(_REGISTRIES, dicts)))
+            self.reg_lens = list(map(len, regs))
+            self.reg_keys = list(chain.from_iterable(regs))
+            self.reg_values = list(chain.from_iterable(map(dict.values, regs)))
+        # (the registries' entries at the snapshot are `reg_keys` / `reg_values` cut by `reg_lens`:
+        # `reg_copies` rebuilds the dicts only when a registration was changed)
+        self.quick_keys = facts is not None  # (the untouched test then covers the registries' identity)
         # every registered buffer (once per registration), a copy and its version counter now.
         # One clone per buffer: measured cheaper than one `torch.cat` (or `torch._foreach_*`) per
         # dtype, whose per-tensor detach/reshape views cost more than the clones they replace.
         # A repeated capture of an unchanged model (`scratch`: the cached description's, whose
         # fingerprint has just checked every buffer's identity, shape, dtype and device) copies
         # into the previous capture's copies instead, with one `torch._foreach_copy_` (see `restore`).
-        bufs = [b for e in self.entries for b in e[4].values() if b is not None]
+        bufs = [b for b in chain.from_iterable(map(dict.values, regs[1::3])) if b is not None]
         self._scratch = scratch
         copies = scratch.pop("buffer_copies", None) if scratch is not None else None
+        reused = False
         with torch.no_grad():  # (a copy made here records no graph: the same as detach().clone())
             if copies is not None and len(copies) == len(bufs):
                 try:
                     torch._foreach_copy_(copies, bufs)
+                    reused = True
                 except Exception:  # noqa: BLE001 - an unusual tensor: one clone each instead
                     copies = None
             else:
                 copies = None
             if copies is None:
                 copies = [b.clone() for b in bufs]
-        self.buffer_list = [(b, c, b._version) for b, c in zip(bufs, copies)]
+        self.buffers, self.copies = bufs, copies
+        # the copies' shape, dtype and device (unchanged while they serve later captures)
+        self.copies_meta = scratch.get("buffer_copies_meta") if reused else None
+        self.versions = [b._version for b in bufs]
 
-    @staticmethod
-    def _untouched(d: dict, shape: tuple[Any, tuple, tuple]) -> bool:
-        """The module's `__dict__` has the snapshot's keys and each plain attribute is the
-        same object (builtin containers may still have changed in place)."""
-        keys, attr_keys, attr_vals = shape  # (keys in order: a key removed and added again counts as touched)
-        return tuple(d) == keys and all(map(operator.is_, map(d.__getitem__, attr_keys), attr_vals))
+    @property
+    def entries(self) -> list[tuple[nn.Module, dict, dict, dict, dict, dict]]:
+        """Per module (module, attributes, container snapshots, `_parameters`, `_buffers`,
+        `_modules` copies): the snapshot one module at a time."""
+        c = self.reg_copies()
+        return [(m, dict(zip(plan, row)), cont, c[3 * i], c[3 * i + 1], c[3 * i + 2])
+                for i, (m, plan, row, cont) in enumerate(zip(self.mods, self.plans, self.rows, self.containers))]
+
+    @property
+    def buffer_list(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        return list(zip(self.buffers, self.copies, self.versions))
 
     def untouched_flags(self) -> list[bool]:
-        """`_untouched` for each module, computed once after the forward (the end-of-forward
-        copy, `writes` and `restore` read the same answer; `restore` forgets it)."""
+        """Per module, whether its `__dict__` has the snapshot's keys (in order: a key removed
+        and added again counts as touched) and each attribute is the same object (builtin
+        containers may still have changed in place). Computed once after the forward (the
+        end-of-forward copy, `writes` and `restore` read the same answer; `restore` forgets it
+        when it put attributes back): first for the whole model at once, module by module only
+        when something was touched."""
         flags = self._flags
         if flags is None:
-            untouched = self._untouched
-            flags = self._flags = [untouched(e[0].__dict__, shape) for e, shape in zip(self.entries, self.shapes)]
+            dicts = list(map(_DICT, self.mods))
+            keys = list(map(tuple, dicts))
+            if keys == self.keys and all(map(operator.is_, chain.from_iterable(map(_call, self.getters, dicts)),
+                                             self.flat)):
+                flags = [True] * len(dicts)
+            else:
+                flags = [k == k0 and all(map(operator.is_, get(d), row))
+                         for d, k, k0, get, row in zip(dicts, keys, self.keys, self.getters, self.rows_full)]
+            self._flags = flags
         return flags
 
-    def reach_plan(self) -> list[tuple[nn.Module, list | None]]:
+    def reach_plan(self) -> list[tuple[nn.Module, Any]]:
         """Per module, for the end-of-forward copy of payloads that module state aliases
         (`Recorder.flush_modules`): the attribute values that can hold a tensor, or None when
         the forward added, removed or rebound attributes (then every attribute is walked)."""
-        return [(e[0], reach if ok else None) for e, reach, ok in zip(self.entries, self.reach, self.untouched_flags())]
+        flags = self.untouched_flags()
+        if False not in flags:
+            return list(zip(self.mods, self.reach))
+        return [(m, reach if ok else None) for m, reach, ok in zip(self.mods, self.reach, flags)]
 
     def writes(self) -> dict[int, dict[str, Any]]:
         """id(module) -> {attribute: AttributeWrite} for what the forward wrote (read before
@@ -249,9 +396,13 @@ class ModelStateSnapshot:
         changed in place. Custom objects are tracked by identity only."""
         from torchlens.backends.sdk import AttributeWrite
 
+        flags = self.untouched_flags()
         out: dict[int, dict[str, Any]] = {}
-        for (m, attrs, containers, _params, _buffers, _submods), ok in zip(self.entries, self.untouched_flags()):
-            d = m.__dict__
+        for i, (m, ok, containers) in enumerate(zip(self.mods, flags, self.containers)):
+            if ok and not containers:
+                out[id(m)] = {}
+                continue
+            attrs = dict(zip(self.plans[i], self.rows[i]))
             w: dict[str, Any] = {}
             if ok:  # only builtin containers and tensors can have changed
                 for k, snap in containers.items():
@@ -260,6 +411,7 @@ class ModelStateSnapshot:
                         w[k] = AttributeWrite("replaced", _copy(v))
                 out[id(m)] = w
                 continue
+            d = m.__dict__
             for k, v in d.items():
                 if k not in attrs and k not in MODULE_INTERNALS:
                     w[k] = AttributeWrite("added", v)
@@ -274,41 +426,86 @@ class ModelStateSnapshot:
             out[id(m)] = w
         return out
 
+    def reg_copies(self) -> list[dict]:
+        """Each registry (three per module: `_parameters`, `_buffers`, `_modules`) as it was at the snapshot."""
+        out, keys, values, i = [], self.reg_keys, self.reg_values, 0
+        for n in self.reg_lens:
+            out.append(dict(zip(keys[i:i + n], values[i:i + n])) if n else {})
+            i += n
+        return out
+
+    def _registries_unchanged(self) -> bool:
+        """Every module's registries are the same dicts with the same entries (keys in order,
+        values by identity) as at the snapshot. (Read after `untouched_flags` found every module
+        untouched: with `quick_keys` that test has compared the registries' identity already.)"""
+        if self.quick_keys:
+            regs = self.regs
+        else:
+            regs = list(chain.from_iterable(map(_REGISTRIES, map(_DICT, self.mods))))
+            if not all(map(operator.is_, regs, self.regs)):
+                return False
+        return (list(map(len, regs)) == self.reg_lens
+                and list(chain.from_iterable(regs)) == self.reg_keys
+                and all(map(operator.is_, chain.from_iterable(map(dict.values, regs)), self.reg_values)))
+
     def restore(self) -> None:
         flags, self._flags = self.untouched_flags(), None
-        for (m, attrs, containers, params, buffers, submods), ok in zip(self.entries, flags):
-            d = m.__dict__
-            if ok:  # nothing added, removed or rebound: put containers back
-                for k, snap in containers.items():
-                    v = attrs[k]
-                    if type(v) in (list, dict, set):
-                        _restore_in_place(v, snap)
-                    else:
-                        _rebuild(snap)  # a tensor, or a tuple: restore tensors inside it
-            else:
-                _restore_attrs(d, attrs, containers)
-            # registrations (buffers' before their bytes); empty on both sides is the common case
-            cur = m._parameters
-            if cur or params:
-                _restore_dict(cur, params)
-            cur = m._modules
-            if cur or submods:
-                _restore_dict(cur, submods)
-            cur = m._buffers
-            if cur or buffers:
-                _restore_dict(cur, buffers)
+        if False not in flags and self._registries_unchanged():
+            # nothing added, removed or rebound, no registration changed: put containers back
+            # (in place: every module stays untouched, so the flags still hold afterwards)
+            for m, containers, plan, row in zip(self.mods, self.containers, self.plans, self.rows):
+                if containers:
+                    _restore_containers(dict(zip(plan, row)), containers)
+            self._flags = flags
+        else:
+            copies = self.reg_copies()
+            for i, (m, ok, containers) in enumerate(zip(self.mods, flags, self.containers)):
+                d = m.__dict__
+                attrs = dict(zip(self.plans[i], self.rows[i]))
+                if ok:  # nothing added, removed or rebound: put containers back
+                    _restore_containers(attrs, containers)
+                else:
+                    _restore_attrs(d, attrs, containers)
+                # registrations (buffers' before their bytes); empty on both sides is the common case
+                params, buffers, submods = copies[3 * i], copies[3 * i + 1], copies[3 * i + 2]
+                cur = m._parameters
+                if cur or params:
+                    _restore_dict(cur, params)
+                cur = m._modules
+                if cur or submods:
+                    _restore_dict(cur, submods)
+                cur = m._buffers
+                if cur or buffers:
+                    _restore_dict(cur, buffers)
         rebound = False
-        for b, clone, version in self.buffer_list:
-            rebound |= _write_back(b, clone, version)
+        bufs, copies = self.buffers, self.copies
+        # the common case in two C-level passes: same shape, dtype and device, same bytes
+        meta = self.copies_meta
+        if meta is None:
+            meta = self.copies_meta = list(map(_META, copies))
+        if not (list(map(_META, bufs)) == meta and all(map(torch.equal, bufs, copies))):
+            for b, clone, version in zip(bufs, copies, self.versions):
+                rebound |= _write_back(b, clone, version)
         scratch = self._scratch
-        if scratch is not None and not rebound and self.buffer_list:
+        if scratch is not None and not rebound and bufs:
             # the copies serve the next capture (they no longer back any buffer: none was rebound
             # to its copy); only while they are small, since they outlive the capture
             ok = scratch.get("buffer_copies_ok")
             if ok is None:
-                ok = scratch["buffer_copies_ok"] = sum(c.nbytes for _, c, _ in self.buffer_list) <= _KEEP_COPIES_BYTES
+                ok = scratch["buffer_copies_ok"] = sum(c.nbytes for c in copies) <= _KEEP_COPIES_BYTES
             if ok:
-                scratch["buffer_copies"] = [c for _, c, _ in self.buffer_list]
+                scratch["buffer_copies"] = list(copies)
+                scratch["buffer_copies_meta"] = meta
+
+
+def _restore_containers(attrs: dict, containers: dict) -> None:
+    """Put the snapshotted containers of an untouched module back (in place, or their tensors' bytes)."""
+    for k, snap in containers.items():
+        v = attrs[k]
+        if type(v) in (list, dict, set):
+            _restore_in_place(v, snap)
+        else:
+            _rebuild(snap)  # a tensor, or a tuple: restore tensors inside it
 
 
 def _restore_attrs(d: dict, attrs: dict, containers: dict) -> None:
