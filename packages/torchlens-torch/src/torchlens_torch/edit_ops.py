@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+_Parameter = torch.nn.Parameter
+
 
 class TorchEditOps:
     """The tensor math core's edit helpers run through (`backend.edit_ops()`)."""
@@ -68,7 +70,7 @@ class TorchEditOps:
         """What replay compares to notice a parameter changed since capture: the version
         counter (bumped by optimizer steps, load_state_dict's copy_, in-place writes under
         no_grad), the storage pointer (moved by `param.data = t`), shape, dtype, device."""
-        if not isinstance(p, torch.Tensor):
+        if type(p) is not _Parameter and not isinstance(p, torch.Tensor):  # (a Parameter, as a rule: no isinstance)
             return None
         try:
             version = p._version
@@ -78,7 +80,7 @@ class TorchEditOps:
             ptr = p.data_ptr()
         except (RuntimeError, NotImplementedError):  # no plain storage (some subclasses)
             ptr = None
-        return (version, ptr, tuple(p.shape), p.dtype, p.device)
+        return (version, ptr, p.shape, p.dtype, p.device)  # (torch.Size: an immutable tuple)
 
     def grad_enabled(self) -> Any:
         """Replay with autograd on (differentiable replay)."""
