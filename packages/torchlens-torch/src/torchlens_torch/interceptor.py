@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+from itertools import chain
 from time import perf_counter
 from typing import Any, Callable
 
@@ -845,19 +846,25 @@ class Recorder:
         forward left as they were, the attribute values that can hold a tensor: only those
         are walked (None: every attribute, as without a plan)."""
         leaf, flush, reach = _LEAF_TYPES, self.flush, self.flush_reachable
+        pending = self.pending
         if plan is not None:
             for m, values in plan:
-                if not self.pending:
+                if not pending:
                     return
                 if values is None:
                     self.flush_modules((("", m),), seen)
                     continue
-                for t in m._parameters.values():
+                # `flush` for each parameter and buffer, its storage looked up inline (most
+                # share no storage with a pending payload)
+                for t in chain(m._parameters.values(), m._buffers.values()):
                     if t is not None:
-                        flush(t)
-                for t in m._buffers.values():
-                    if t is not None:
-                        flush(t)
+                        try:
+                            ptr = t.untyped_storage().data_ptr()
+                        except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+                            flush(t)  # (no plain storage: flush decides)
+                            continue
+                        if ptr in pending:
+                            flush(t)
                 for v in values:
                     reach(v, 0, seen)
             return
