@@ -569,12 +569,16 @@ class Recorder:
         return out
 
     def record_one(self, func: Any, info: FuncInfo, args: tuple, kwargs: dict, out: Tensor, duration: float,
-                   site: tuple) -> Tensor:
+                   site: tuple, pre: tuple | None = None, inplace: bool = False) -> Tensor:
         """`record` for the common case, kept short (it runs once per op): one tensor output
         of a call that writes nothing it is told of and draws no random numbers, under a
         capture without an edit plan, save budget, gradient store or non-finite check
-        (`CaptureMode.lean`). Makes the same event `record` makes."""
-        if kwargs:
+        (`CaptureMode.lean`). Makes the same event `record` makes. `CaptureMode._write_lean`
+        passes the arguments it resolved before the write (`pre`) and `inplace=True` for a
+        write that returned its target (`record`'s single-output in-place case)."""
+        if pre is not None:
+            parents, params, targs, tkwargs = pre
+        elif kwargs:
             parents, params, targs, tkwargs = self._resolve_args(args, kwargs)
         else:  # `_resolve_args` for positional arguments, inline
             parents = []
@@ -623,15 +627,22 @@ class Recorder:
         if info.note is not None:
             meta.update(info.note)
         k = id(out)
+        if inplace:
+            if self.buffer_address:
+                addr = self.buffer_address.get(k)
+                if addr is not None:  # an in-place write to a buffer: a new version of it
+                    meta["buffer_write"] = (addr,)
+            self.tags[k] = (eid, 0)  # the written tensor now reads as this op's output
+            self.keep.append(out)
         # a parameter or buffer passed through unchanged keeps its identity, and so does a
         # tensor a no-op call returned as itself: its later readers still read its producer
-        if not (k in self.param_address or k in self.buffer_address or (args and out is args[0])):
+        elif not (k in self.param_address or k in self.buffer_address or (args and out is args[0])):
             self.tags[k] = (eid, 0)
             self.keep.append(out)
         dtype = out.dtype
         ev = OpEvent(eid, "op", info.name, tuple(parents), (payload,), (tuple(out.shape),),
                      (_DTYPE_NAMES.get(dtype) or dtype_name(dtype),), self.stack, site, tuple(params), None, saved,
-                     False, func, targs, tkwargs, False, meta)
+                     False, func, targs, tkwargs, inplace, meta)
         self.events.append(ev)
         if cow is not None:
             self.op_events[eid] = ev
@@ -1172,9 +1183,10 @@ class CaptureMode(TorchFunctionMode):
         if not isinstance(out, Tensor):
             return self._finish(func, info, args, kwargs, out, duration, pre, None, None)
         # `_finish`'s `inplace` for one tensor result: a method always, a functional when it
-        # returned its argument
-        inplace = info.inplace or out is a0
-        return rec.record(func, info, args, kwargs, out, (out,), False, inplace, pre, duration, None,
+        # returned its argument (then `record_one` makes `record`'s event)
+        if info.inplace or out is a0:
+            return rec.record_one(func, info, args, kwargs, out, duration, _call_site(sys._getframe(2)), pre, True)
+        return rec.record(func, info, args, kwargs, out, (out,), False, False, pre, duration, None,
                           _call_site(sys._getframe(2)))
 
     def _finish(self, func: Any, info: FuncInfo, args: tuple, kwargs: dict, out: Any, duration: float, pre: Any,
