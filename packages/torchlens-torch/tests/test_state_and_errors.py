@@ -189,3 +189,17 @@ def test_torchscript_modules_are_refused_before_the_forward():
     with pytest.raises(BackendUnsupportedError) as info:
         tl.trace(M(), torch.ones(1, 2))
     assert info.value.code == "torchscript_boundary"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_submodule_scripted_after_a_capture_is_refused_at_the_next():
+    # the "no TorchScript module" answer is kept with the cached description: a module
+    # replaced since must be seen (the description is walked afresh)
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    x = torch.ones(1, 2)
+    tl.trace(model, x)
+    tl.trace(model, x)  # (the cached description)
+    model[0] = torch.jit.script(nn.Linear(2, 2))
+    with pytest.raises(BackendUnsupportedError) as info:
+        tl.trace(model, x)
+    assert info.value.code == "torchscript_boundary" and info.value.fields.get("modules") == ["0"]

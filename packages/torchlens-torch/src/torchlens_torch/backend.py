@@ -353,7 +353,14 @@ class _Capture:
 
         desc = describe_model(root)
         param_hash_quick = _param_hash_quick(root, desc)
-        scripted = [addr for addr, m in desc.modules if isinstance(m, torch.jit.ScriptModule)]
+        # (a description rebuilt from the cached walk has the same module objects: the answer is kept)
+        scratch = getattr(desc, "scratch", None)
+        scripted = scratch.get("scripted") if scratch is not None else None
+        if scripted is None:
+            script_cls = torch.jit.ScriptModule
+            scripted = [addr for addr, m in desc.modules if isinstance(m, script_cls)]
+            if scratch is not None:
+                scratch["scripted"] = scripted
         if scripted:
             raise BackendUnsupportedError("torchscript_boundary",
                                           f"module {scripted[0]!r} is TorchScript; the ops inside it cannot be observed",
@@ -476,7 +483,7 @@ class _Capture:
         rec.params_written = guard.written
         if opts.seed is not None:
             seed_all(opts.seed)
-        rng_at_forward = torch.get_rng_state()
+        rng_at_forward = rng.torch if opts.seed is None else torch.get_rng_state()  # (read only, never written)
         rec.rng_next = rng_at_forward
 
         fast_path = _get_mha_fastpath()

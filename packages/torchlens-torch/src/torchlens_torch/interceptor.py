@@ -224,6 +224,12 @@ def _call_site(f: Any) -> tuple:
     h = g.f_back
     if h is None or id(h.f_code) in stop:  # two frames (a functional called from a forward)
         return (cid, f.f_lasti) if gid == cid else (cid, f.f_lasti, gid, g.f_lasti)
+    hid = id(h.f_code)
+    k = h.f_back
+    if (k is None or id(k.f_code) in stop) and cid != gid and gid != hid and cid != hid:
+        # three distinct frames (torch's `handle_torch_function` under a functional called
+        # from a forward: batch norm, an in-place ReLU)
+        return (cid, f.f_lasti, gid, g.f_lasti, hid, h.f_lasti)
     site: list = []
     codes: list = []
     for _ in range(_MAX_SITE_FRAMES):
@@ -1038,10 +1044,10 @@ class Recorder:
         ids: list = []
         if type(output) is Tensor:
             tag = tags.get(id(output))
-            if tag is not None:
-                ids.append(tag)
-            else:
-                self._exit_source(output, stack[: j + 1], ids)
+            if tag is not None:  # the common call: one tensor out, an op's output
+                self.events.append(ModuleExit(addr, call, (tag,)))
+                return None
+            self._exit_source(output, stack[: j + 1], ids)
         elif output is not None:
             for _, t in iter_leaves(output, ""):
                 tag = tags.get(id(t))
