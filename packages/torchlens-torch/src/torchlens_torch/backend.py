@@ -40,6 +40,7 @@ from torchlens_torch.interceptor import Recorder, _run_root, capture_mode, insta
 from torchlens_torch.plugin import FRAMEWORK
 from torchlens_torch.state import ModelStateSnapshot, ParamWriteGuard, RngSnapshot, seed_all
 from torchlens_torch.values import copy_inputs, host_copy, iter_leaves
+from torchlens_torch.weak_keep import WeakKeep
 
 #: Top-level modules of other frameworks whose arrays are not torch inputs.
 _FOREIGN_MODULES = ("jax", "jaxlib", "tensorflow", "keras", "mlx", "paddle", "tinygrad")
@@ -381,9 +382,9 @@ class _Capture:
         rec = Recorder(desc, save_payloads=self.plan.kind != "none", save_fn=save_fn, grad_store=grad_store,
                        check_nonfinite=None if opts.on_nonfinite == "ignore" else opts.on_nonfinite,
                        cow_ref=None if stats_fold else _make_cow_ref(opts), budget=budget)
-        if stats_fold:  # nor does the keep list: a freed out's tag is dropped instead
-            from torchlens_torch.stats_fold import WeakKeep
-
+        if stats_fold or self.plan.kind == "none":
+            # nothing keeps the outs as payloads: nor does the keep list (a freed out's tag is
+            # dropped instead), so intermediates are freed as the plain forward frees them
             rec.keep = WeakKeep(rec.tags)
         rec.edit_plan = self.edit_plan
         leaves: list = []

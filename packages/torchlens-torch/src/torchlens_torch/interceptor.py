@@ -972,7 +972,8 @@ class Recorder:
             return None
         addr = name if maddr == "self" else f"{maddr}.{name}"
         self.buffer_address[id(tensor)] = addr
-        self.keep.append(tensor)  # its id stays unique for the capture
+        keep = self.keep
+        (keep.append if type(keep) is list else keep.hold)(tensor)  # its id stays unique for the capture
         tag = self.tags.get(id(tensor))
         if tag is not None:
             self.buffer_rebinds.setdefault(tag[0], []).append(addr)

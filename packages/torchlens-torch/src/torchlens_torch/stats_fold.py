@@ -12,20 +12,22 @@ two bool buffers of at most `CHUNK` elements per device, reused for every op, so
 allocates nothing per op but 0-d results); the slabs' summaries are combined with the pairwise
 (Chan / Pebay) formulas core's `RunningStats.merge` uses.
 
-`WeakKeep` replaces the Recorder's `keep` list for such a capture: the list holds every tagged
-tensor for the whole forward (so an id is never reused while its tag is live), which would keep
-every intermediate alive, as a `save="all"` capture does. `WeakKeep` holds none: when a tagged
-tensor is freed its tag is forgotten, so a new tensor that gets the same id is not mistaken for it.
+`WeakKeep` (`torchlens_torch.weak_keep`) replaces the Recorder's `keep` list for such a capture,
+as for `save="none"`: the list holds every tagged tensor for the whole forward (so an id is never
+reused while its tag is live), which would keep every intermediate alive, as a `save="all"`
+capture does. `WeakKeep` holds none: when a tagged tensor is freed its tag is forgotten, so a new
+tensor that gets the same id is not mistaken for it.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any, Iterator
 
 import torch
 from torchlens.backends.sdk import FoldedStats
+
+from torchlens_torch.weak_keep import WeakKeep  # noqa: F401 - its first home; save="none" uses it too
 
 #: elements per slab: the scratch buffers are at most 2 x CHUNK x 8 bytes (4 MiB) + 2 x CHUNK bool
 CHUNK = 1 << 18
@@ -183,62 +185,3 @@ def new_fold() -> Folder:
 def vector(t: torch.Tensor) -> torch.Tensor:
     """`t`'s 16-slot float64 summary, on `t`'s device (a one-off Folder)."""
     return Folder().vector(t)
-
-
-class WeakKeep:
-    """The Recorder's `keep` under save="stats": remembers tagged tensors without keeping them
-    alive, and drops a tensor's tag (in `tags`) when the tensor is freed.
-
-    Iterating yields the tagged tensors still alive. A freed tensor that had a `grad_fn`
-    (a capture under grad mode) leaves `(grad_fn, tag)` in `dead_grad_owners`, so the autograd
-    records can still map that node to its op (the node itself is kept, not the tensor)."""
-
-    __slots__ = ("_refs", "_tags", "_grad", "dead_grad_owners", "__weakref__")
-
-    def __init__(self, tags: dict) -> None:
-        self._refs: dict[int, Any] = {}
-        self._tags = tags
-        self._grad: dict[int, Any] = {}  # id -> the live tensor's current grad_fn (grad mode only)
-        self.dead_grad_owners: list[tuple[Any, tuple[int, int]]] = []
-
-    def append(self, t: Any) -> None:
-        k = id(t)
-        if type(t) is torch.Tensor or isinstance(t, torch.Tensor):
-            if t.requires_grad and t.grad_fn is not None:
-                self._grad[k] = t.grad_fn  # an in-place op re-appends its tensor: the newest node
-        old = self._refs.get(k)
-        if old is not None and old() is t:
-            return
-        refs, tags, grads, dead = self._refs, self._tags, self._grad, self.dead_grad_owners
-
-        def gone(r: Any, k: int = k) -> None:
-            if refs.get(k) is r:  # not a newer object with the same id
-                del refs[k]
-                tag = tags.pop(k, None)
-                g = grads.pop(k, None)
-                if g is not None and tag is not None:
-                    dead.append((g, tag))
-
-        try:
-            refs[k] = weakref.ref(t, gone)
-        except TypeError:  # not weak-referenceable: keep it (as the plain list does)
-            refs[k] = _Strong(t)
-
-    def __iter__(self) -> Iterator[Any]:
-        for r in list(self._refs.values()):
-            t = r()
-            if t is not None:
-                yield t
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-class _Strong:
-    __slots__ = ("t",)
-
-    def __init__(self, t: Any) -> None:
-        self.t = t
-
-    def __call__(self) -> Any:
-        return self.t
