@@ -386,6 +386,7 @@ class _Capture:
             # nothing keeps the outs as payloads: nor does the keep list (a freed out's tag is
             # dropped instead), so intermediates are freed as the plain forward frees them
             rec.keep = WeakKeep(rec.tags)
+            rec.dead = rec.keep.dead
         rec.edit_plan = self.edit_plan
         leaves: list = []
         for name, a in zip(pos_names, self.args):
@@ -510,6 +511,8 @@ class _Capture:
             rng_end = torch.get_rng_state()
             remove_module_hooks(handles)
             _set_mha_fastpath(fast_path)
+            if rec.dead:  # the tags of tensors freed at the end of the forward
+                rec.keep.purge()
             try:
                 if rec.pending:  # what outlives the forward must not alias a payload
                     seen: set = set()

@@ -292,6 +292,9 @@ class Recorder:
         self.next_id = 0
         self.tags: dict[int, tuple[int, int]] = {}
         self.keep: list[Any] = []
+        #: the freed tensors' weak references a `WeakKeep` keep has not purged yet (its `dead`
+        #: list; () with the plain list): every entry point that reads tags purges them first
+        self.dead: Any = ()
         self.param_address = desc.param_address
         # a copy: a buffer rebound during the forward (`self.state = ...`) is added to it
         self.buffer_address = dict(desc.buffer_address)
@@ -432,6 +435,8 @@ class Recorder:
 
     def _resolve_args(self, args: tuple, kwargs: dict) -> tuple[list, list, tuple, dict]:
         """Parents, parameters read, and the argument templates replay fills back in."""
+        if self.dead:
+            self.keep.purge()
         parents: list = []
         params: list = []
         targs: list = []
@@ -970,6 +975,8 @@ class Recorder:
         maddr = self.module_address.get(id(module))
         if maddr is None:
             return None
+        if self.dead:
+            self.keep.purge()
         addr = name if maddr == "self" else f"{maddr}.{name}"
         self.buffer_address[id(tensor)] = addr
         keep = self.keep
@@ -1001,6 +1008,8 @@ class Recorder:
         if _get_ident() != self.thread:  # global hooks fire in every thread
             self.foreign_threads.add(threading.current_thread().name)
             return None
+        if self.dead:  # (in the capture's thread only: the purge changes the tags)
+            self.keep.purge()
         n = self.call_counts.get(addr, 0) + 1
         self.call_counts[addr] = n
         self.stack = self.stack + ((addr, n),)
@@ -1022,6 +1031,8 @@ class Recorder:
         addr = self.module_address.get(id(module))
         if addr is None or _get_ident() != self.thread:
             return None
+        if self.dead:
+            self.keep.purge()
         stack = self.stack
         # pop this module's frame (the innermost one with its address; the last one, as a rule)
         j = len(stack) - 1
@@ -1103,6 +1114,8 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: C901 - the hot path, kept flat
         rec = self.rec
+        if rec.dead:  # tags of tensors freed since the last entry (`WeakKeep`), before any lookup
+            rec.keep.purge()
         info = _FUNC_INFOS.get(func)
         if info is None:
             info = rec.func_info(func)

@@ -9,8 +9,8 @@ capture's, and all of them would be freed at once, cold, inside the `tl.trace` c
 1.6 µs per tensor on a loop of tiny ops, where a plain forward frees each one as it goes.
 
 `WeakKeep` holds none of them. It keeps a weak reference per tagged tensor. When the tensor is
-freed, its tag is dropped from `tags`, so a new tensor that gets the same id is not mistaken for
-it. A tensor whose Python object torch keeps alive because C++ still owns it (a view's base, a
+freed, its tag is dropped from `tags` (at the Recorder's next hook or handler entry, see
+`WeakKeep`), so a new tensor that gets the same id is not mistaken for it. A tensor whose Python object torch keeps alive because C++ still owns it (a view's base, a
 tensor autograd saved) is not freed, so its tag and id stay valid. `hold(t)` keeps a tensor
 alive for the whole capture, for ids other tables key (buffers registered during the forward).
 
@@ -30,48 +30,57 @@ _Tensor = torch.Tensor
 
 
 class WeakKeep:
-    """Remembers tagged tensors without keeping them alive (see the module docstring)."""
+    """Remembers tagged tensors without keeping them alive (see the module docstring).
 
-    __slots__ = ("_refs", "_ids", "_tags", "_grad", "dead_grad_owners", "_gone", "_strong", "__weakref__")
+    A freed tensor's weak reference lands in `dead` (the callback is the list's own `append`:
+    no Python call per freed tensor); `purge()` then drops the tags of those tensors. The
+    Recorder purges at the entry of every hook and handler that reads tags, and once after the
+    forward: a tensor it looks up is alive there, so any earlier owner of its id died before
+    the entry, and that owner's tag is gone by the time the lookup runs."""
+
+    __slots__ = ("_refs", "_ids", "_tags", "_grad", "dead_grad_owners", "dead", "_strong", "__weakref__")
 
     def __init__(self, tags: dict) -> None:
-        refs: dict[int, Any] = {}  # id -> weak reference (or a strong holder)
-        ids: dict[int, int] = {}  # id of the weak reference -> the tensor's id (the callback's way back;
-        # keyed by the reference's own id: hashing a weak reference hashes its tensor, which a
-        # capture's TorchFunctionMode would intercept)
-        grads: dict[int, Any] = {}  # id -> the live tensor's current grad_fn (grad mode only)
-        dead: list[tuple[Any, tuple[int, int]]] = []
-        self._refs, self._ids, self._tags, self._grad, self.dead_grad_owners = refs, ids, tags, grads, dead
+        self._refs: dict[int, Any] = {}  # id -> weak reference to the tensor tagged at that id
+        self._ids: dict[int, int] = {}  # id of a weak reference -> its tensor's id (hashing a weak
+        # reference would hash its tensor, which a capture's TorchFunctionMode intercepts)
+        self._tags = tags
+        self._grad: dict[int, tuple] = {}  # id of a weak reference -> (grad_fn, tag) at the last append
+        self.dead_grad_owners: list[tuple[Any, tuple[int, int]]] = []
+        self.dead: list[Any] = []  # weak references whose tensors were freed, not purged yet
         self._strong: list[Any] = []
 
-        def gone(r: Any) -> None:  # one callback for every reference: no closure per tensor
-            k = ids.pop(id(r), None)
-            if k is not None and refs.get(k) is r:  # not a newer object with the same id
-                del refs[k]
-                tag = tags.pop(k, None)
-                g = grads.pop(k, None)
-                if g is not None and tag is not None:
-                    dead.append((g, tag))
-
-        self._gone = gone
-
     def append(self, t: Any) -> None:
+        """Remember `t`, just tagged (an in-place op re-appends its tensor with its new tag)."""
         k = id(t)
+        refs = self._refs
+        r = refs.get(k)
+        if r is None or r() is not t:
+            try:
+                r = weakref.ref(t, self.dead.append)
+            except TypeError:  # not weak-referenceable: keep it (as the plain list does)
+                refs[k] = _Strong(t)
+                return
+            refs[k] = r
+            self._ids[id(r)] = k
         if type(t) is _Tensor or isinstance(t, _Tensor):
             g = t.grad_fn
-            if g is not None:
-                self._grad[k] = g  # an in-place op re-appends its tensor: the newest node
-        refs = self._refs
-        old = refs.get(k)
-        if old is not None and old() is t:
-            return
-        try:
-            r = weakref.ref(t, self._gone)
-        except TypeError:  # not weak-referenceable: keep it (as the plain list does)
-            refs[k] = _Strong(t)
-            return
-        refs[k] = r
-        self._ids[id(r)] = k
+            if g is not None:  # the newest node and tag: what a freed tensor leaves behind
+                self._grad[id(r)] = (g, self._tags.get(k))
+
+    def purge(self) -> None:
+        """Drop the tags of the tensors freed since the last purge."""
+        dead, refs, ids, tags, grads = self.dead, self._refs, self._ids, self._tags, self._grad
+        while dead:
+            r = dead.pop()
+            key = id(r)
+            k = ids.pop(key, None)
+            owned = grads.pop(key, None)
+            if k is not None and refs.get(k) is r:  # (not yet replaced by a newer tensor's reference)
+                del refs[k]
+                tags.pop(k, None)
+            if owned is not None and owned[1] is not None:
+                self.dead_grad_owners.append(owned)
 
     def hold(self, t: Any) -> None:
         """Keep `t` alive until the capture ends (its id keys another table than the tags)."""
@@ -79,6 +88,7 @@ class WeakKeep:
         self.append(t)
 
     def __iter__(self) -> Iterator[Any]:
+        self.purge()
         for r in list(self._refs.values()):
             t = r()
             if t is not None:
