@@ -9,11 +9,16 @@ Models (random init, nothing downloaded):
 
 Every variant runs in the same process, interleaved (variant order rotates each round),
 and the table reports the median seconds and the ratio to the plain forward's median.
-Results go to `benchmarks/results/capture.json`.
+A collection of the whole heap runs before each timed call (`--collect full`, the default),
+so one variant's garbage is never collected inside another's timing. It also evicts the CPU
+caches, which slows the capture's Python work far more than a forward's kernels, by an amount
+that moves with the heap's layout; `--collect young` collects only what the variants made since
+the warm-up (see `measure`). Results go to `benchmarks/results/capture.json`.
 
     python benchmarks/capture.py                 # full run (default 9 rounds)
     python benchmarks/capture.py --rounds 5 --models gpt2
     python benchmarks/capture.py --clock cpu --threads 1   # CPU time: steadier on a shared machine
+    python benchmarks/capture.py --collect young           # collect only what the variants made
 
 The report records the clock, the date and the machine's load averages at the start and end.
 
@@ -190,21 +195,39 @@ def nnsight_variant(model: nn.Module, tokens: torch.Tensor) -> dict[str, Callabl
 # measurement ----------------------------------------------------------------------------
 
 def measure(variants: dict[str, Callable[[], Any]], rounds: int,
-            clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+            clock: Callable[[], float] = time.perf_counter, collect: str = "full") -> dict[str, list[float]]:
     """Seconds per call of each variant, interleaved; `clock` is wall time by default, or
-    `time.process_time` (CPU seconds of this process: steadier on a shared machine)."""
+    `time.process_time` (CPU seconds of this process: steadier on a shared machine).
+
+    Each timed call starts after a collection, so one variant's garbage is not collected
+    inside another's timing. `collect="full"` (default) walks the whole heap before every
+    call: that evicts the CPU caches, which the capture's Python work notices far more than a
+    forward's kernels, and the size of that effect moves with the heap's layout (see
+    docs/backends/torch.md, Performance). `collect="young"` freezes everything alive after the
+    warm-up (`gc.freeze()`), so that collection walks only what the variants made since, as
+    the collector's frequent young-generation passes do in a user's loop."""
+    if collect not in ("young", "full"):
+        raise ValueError(f"collect={collect!r}: 'young' or 'full'")
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for fn in variants.values():  # warm-up
         fn()
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            gc.collect()
-            t0 = clock()
-            result = variants[name]()
-            times[name].append(clock() - t0)
-            del result
+    frozen = collect == "young"
+    if frozen:
+        gc.collect()
+        gc.freeze()
+    try:
+        for r in range(rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                gc.collect()
+                t0 = clock()
+                result = variants[name]()
+                times[name].append(clock() - t0)
+                del result
+    finally:
+        if frozen:
+            gc.unfreeze()
     return times
 
 
@@ -272,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pypi-torchlens-python", default=os.environ.get("TORCHLENS_PYPI_PYTHON"))
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall (perf_counter) or cpu (process_time: steadier on a shared machine; use with --threads 1)")
+    ap.add_argument("--collect", choices=("full", "young"), default="full",
+                    help="before each timed call: collect the whole heap (full, default: the CPU caches start "
+                         "cold) or only what the variants made since the warm-up (young)")
     ap.add_argument("--note", default="", help="conditions worth recording with the results")
     args = ap.parse_args(argv)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -281,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "threads": torch.get_num_threads(), "rounds": args.rounds, "tokens": args.tokens, "clock": args.clock,
+        "collect": args.collect,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "note": args.note, "loadavg_start": _loadavg(), "models": {},
     }
     for model_name in args.models.split(","):
@@ -304,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             variants = torchlens_variants(model, x)
             tl_variants = {}
             label = "ResNet-like CNN, 1x3x64x64"
-        times = measure({**variants, **tl_variants}, args.rounds, clock)
+        times = measure({**variants, **tl_variants}, args.rounds, clock, args.collect)
         summary = summarize({k: times[k] for k in variants}, "plain forward")
         if tl_variants:  # TransformerLens runs its own model: ratio to its own plain forward
             tl_summary = summarize({k: times[k] for k in tl_variants}, "TransformerLens plain")

@@ -10,11 +10,13 @@ rounds, one torch thread, CPU clock for the whole calls:
   the forward with recording, and everything after the forward (state restore, the build,
   grad_fn records, stamps).
 
-Each is measured twice: with `gc.collect()` before every timed call (as `capture.py` and
-`per_op.py` do: a full collection evicts the CPU caches, which the capture's Python work
-notices far more than the forward's kernels) and without. `--after-gpt2` first builds and
-runs a plain GPT-2 forward (importing `transformers` doubles the objects a collection
-walks) to show the effect of a larger process.
+Each is measured three ways: with a collection of the whole heap before every timed call
+(`full`: it evicts the CPU caches, which the capture's Python work notices far more than the
+forward's kernels), with a collection of only what was made since the warm-up (`young`:
+everything alive then is frozen; `capture.py` and `per_op.py` do this by default), and with
+no collection between calls (`none`). `--after-gpt2` first builds and runs a plain GPT-2
+forward (importing `transformers` doubles the objects a full collection walks) to show the
+effect of a larger process.
 
     python benchmarks/capture_phases.py                     # ResNet-like, save="all"
     python benchmarks/capture_phases.py --after-gpt2
@@ -71,7 +73,7 @@ def _bare(model: Any, x: Any) -> Callable[[], float]:
     return run
 
 
-def measure(model: Any, x: Any, save: str, rounds: int, collect: bool) -> dict[str, float]:
+def measure(model: Any, x: Any, save: str, rounds: int, collect: str) -> dict[str, float]:
     import torchlens as tl
 
     cpu = time.process_time
@@ -79,9 +81,12 @@ def measure(model: Any, x: Any, save: str, rounds: int, collect: bool) -> dict[s
     plain, plain_wall, floor, fwd, setup, after, total = [], [], [], [], [], [], []
     for _ in range(3):
         model(x), bare(), tl.trace(model, x, save=save)
+    if collect == "young":
+        gc.collect()
+        gc.freeze()
     for r in range(rounds):
         for k in ((0, 1, 2), (1, 2, 0), (2, 0, 1))[r % 3]:
-            if collect:
+            if collect != "none":
                 gc.collect()
             if k == 0:
                 t0, w0 = cpu(), time.perf_counter()
@@ -99,6 +104,8 @@ def measure(model: Any, x: Any, save: str, rounds: int, collect: bool) -> dict[s
                 setup.append(extra["setup_duration"])
                 after.append(extra["cleanup_duration"])
                 del trace
+    if collect == "young":
+        gc.unfreeze()
     med = statistics.median
     ms = lambda v: round(med(v) * 1e3, 3)  # noqa: E731
     return {"plain_ms": ms(plain), "plain_wall_ms": ms(plain_wall), "bare_forward_ms": ms(floor),
@@ -130,11 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     report["gc_objects"] = len(gc.get_objects())
     model, x = {"resnet": B.resnet_like, "mobilenet": B.mobilenet_like,
                 "gpt2": lambda: B.gpt2_small(args.tokens)}[args.model]()
-    for collect in (True, False):
+    for collect in ("full", "young", "none"):
         row = measure(model, x, args.save, args.rounds, collect)
-        report["collect_before_each_call" if collect else "no_collect"] = row
-        print(f"{'gc.collect() before each call' if collect else 'no collection between calls':32s} "
-              + " ".join(f"{k}={v}" for k, v in row.items()))
+        report[f"collect_{collect}"] = row
+        print(f"collect={collect:6s} " + " ".join(f"{k}={v}" for k, v in row.items()))
     report["loadavg_end"] = B._loadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,10 @@ Workloads (random init, nothing downloaded):
 - `mobilenet`: a MobileNet-style CNN of `capture.py` (inverted residuals with depthwise
   convs, many small ops) on 1x3x64x64.
 
-Variants, interleaved in one process (order rotates each round), median over rounds:
-plain forward, the cloning floor, `tl.trace(save="none")`, `tl.trace(save="all")`. The CNN
+Variants, interleaved in one process (order rotates each round, `capture.measure`: a
+collection of the whole heap before each timed call; `--collect young` collects only what the
+variants made since the warm-up), median over rounds: plain forward, the cloning floor, `tl.trace(save="none")`,
+`tl.trace(save="all")`. The CNN
 rows also give ratios to the plain forward (the issue's acceptance figure).
 Results go to `benchmarks/results/per_op.json` (or `--out`).
 
@@ -105,21 +107,12 @@ def variants(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
     }
 
 
-def measure(fns: dict[str, Callable[[], Any]], rounds: int, clock: Callable[[], float]) -> dict[str, list[float]]:
-    """`capture.measure` with a choice of clock: `time.process_time` (CPU seconds of this
-    process) is far less disturbed than wall time on a machine shared with other work."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for fn in fns.values():  # warm-up
-        fn()
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            gc.collect()
-            t0 = clock()
-            result = fns[name]()
-            times[name].append(clock() - t0)
-            del result
-    return times
+def measure(fns: dict[str, Callable[[], Any]], rounds: int, clock: Callable[[], float],
+            collect: str = "full") -> dict[str, list[float]]:
+    """`capture.measure` (same interleaving and collection modes) with a choice of clock:
+    `time.process_time` (CPU seconds of this process) is far less disturbed than wall time on
+    a machine shared with other work."""
+    return B.measure(fns, rounds, clock, collect)
 
 
 def count_ops(model: nn.Module, x: torch.Tensor) -> int:
@@ -128,12 +121,13 @@ def count_ops(model: nn.Module, x: torch.Tensor) -> int:
     return sum(1 for op in tl.trace(model, x, save="none").ops if op.kind == "op")
 
 
-def run_workload(name: str, n_ops: int, rounds: int, no_grad: bool, clock: Callable[[], float]) -> dict[str, Any]:
+def run_workload(name: str, n_ops: int, rounds: int, no_grad: bool, clock: Callable[[], float],
+                 collect: str = "full") -> dict[str, Any]:
     model, x, label = workload(name, n_ops)
     with torch.no_grad() if no_grad else contextlib.nullcontext():
         ops = count_ops(model, x)
         fns = variants(model, x)
-        times = measure(fns, rounds, clock)
+        times = measure(fns, rounds, clock, collect)
     med = {k: statistics.median(v) for k, v in times.items()}
     floor, plain = med["cloning mode (floor)"], med["plain forward"]
     rows = {k: {"median_s": m, "us_per_op": m / ops * 1e6, "ratio_to_floor": m / floor, "ratio_to_plain": m / plain,
@@ -174,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--profile", default=None, help="a workload to profile instead of timing")
     ap.add_argument("--profile-save", default="all")
+    ap.add_argument("--collect", choices=("full", "young"), default="full",
+                    help="before each timed call: collect the whole heap (full, default: the CPU caches start "
+                         "cold) or only what the variants made since the warm-up (young)")
     ap.add_argument("--note", default="", help="conditions worth recording with the results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -184,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "threads": torch.get_num_threads(), "rounds": args.rounds,
         "grad": "torch.no_grad()" if args.no_grad else "enabled (as capture.py)",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "clock": args.clock, "note": args.note,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "clock": args.clock, "collect": args.collect, "note": args.note,
         "loadavg_start": B._loadavg(), "workloads": {},
     }
     for name in args.workloads.split(","):
         report["workloads"][name] = run_workload(name, args.ops, args.rounds, args.no_grad,
-                                                   time.process_time if args.clock == "cpu" else time.perf_counter)
+                                                   time.process_time if args.clock == "cpu" else time.perf_counter,
+                                                   args.collect)
         gc.collect()
     report["loadavg_end"] = B._loadavg()
     out = Path(args.out)
