@@ -290,7 +290,9 @@ class Recorder:
         self.log = EventLog()
         self.events = self.log.events
         self.next_id = 0
-        self.tags: dict[int, tuple[int, int]] = {}
+        #: id(tensor) -> (event id, output slot); None for a freed tensor's id (`WeakKeep`):
+        #: read with `.get(...)` and a test for None, never with `in`
+        self.tags: dict[int, tuple[int, int] | None] = {}
         self.keep: list[Any] = []
         #: the freed tensors' weak references a `WeakKeep` keep has not purged yet (its `dead`
         #: list; () with the plain list): every entry point that reads tags purges them first
@@ -366,7 +368,7 @@ class Recorder:
         for path, t in leaves:
             if self.budget is not None:
                 self.charge((t,), "input", path)
-            first = id(t) not in self.tags
+            first = self.tags.get(id(t)) is None  # (a freed tensor's tag reads None: `WeakKeep`)
             eid = self._new_id()
             saved = self.save_payloads
             self.events.append(OpEvent(eid, "input", "input", (), (self.save_fn(t) if saved else None,),
@@ -1018,7 +1020,7 @@ class Recorder:
             tag = tags.get(id(args[0]))
             ids = (tag,) if tag is not None else ()
         else:
-            ids = tuple(tags[id(t)] for _, t in iter_leaves(args, "") if id(t) in tags)
+            ids = tuple(tag for tag in (tags.get(id(t)) for _, t in iter_leaves(args, "")) if tag is not None)
         ev = ModuleEnter(addr, n, ids)
         self.events.append(ev)
         self.enter_events[(addr, n)] = ev
@@ -1050,7 +1052,7 @@ class Recorder:
         tags = self.tags
         enter = self.enter_events.pop((addr, call), None)
         if kwargs and enter is not None:  # the global pre-hook sees positional inputs only
-            extra = [tags[id(t)] for _, t in iter_leaves(kwargs, "") if id(t) in tags]
+            extra = [tag for tag in (tags.get(id(t)) for _, t in iter_leaves(kwargs, "")) if tag is not None]
             if extra:
                 enter.input_ids = tuple(dict.fromkeys(enter.input_ids + tuple(extra)))
         ids: list = []
