@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchlens_torch.describe import MODULE_INTERNALS, QUICK_KEYS, USER_PLANS
+from torchlens_torch.describe import MODULE_INTERNALS, QUICK_KEYS, USER_PLANS, _picker
 
 _MISSING = object()
 _BUILTIN_CONTAINERS = (list, dict, set, tuple)
@@ -239,7 +239,7 @@ class _Classes:
         self.per_module = [_classify(r) for r in rows]
         self.any = any(c or r for c, r in self.per_module)
         pos = [i for i, v in enumerate(flat) if type(v) is tuple]
-        self.tuples = _pick(pos)
+        self.tuples = _picker(pos)
         self.hold = self.tuples(flat)
 
     def cacheable(self) -> bool:
@@ -249,16 +249,6 @@ class _Classes:
     def holds(self, keys: list, flat: list) -> bool:
         return (keys == self.keys and list(map(type, flat)) == self.types
                 and all(map(operator.is_, self.tuples(flat), self.hold)))
-
-
-def _pick(positions: list[int]) -> Any:
-    """A function returning the items of a sequence at `positions` as a tuple (any length)."""
-    if not positions:
-        return lambda _s: ()
-    if len(positions) == 1:
-        i = positions[0]
-        return lambda s: (s[i],)
-    return operator.itemgetter(*positions)
 
 
 class ModelStateSnapshot:
