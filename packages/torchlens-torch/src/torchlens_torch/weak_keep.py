@@ -29,6 +29,14 @@ import torch
 _Tensor = torch.Tensor
 
 
+class _Ref(weakref.ref):
+    """A weak reference that carries what its tensor leaves behind: the tensor's id (`key`), and
+    its newest `grad_fn` that is not None and the tag it had then (`grad`, `tag`; `grad` is None
+when it never had one)."""
+
+    __slots__ = ("key", "grad", "tag")
+
+
 class WeakKeep:
     """Remembers tagged tensors without keeping them alive (see the module docstring).
 
@@ -36,18 +44,19 @@ class WeakKeep:
     no Python call per freed tensor); `purge()` then drops the tags of those tensors. The
     Recorder purges at the entry of every hook and handler that reads tags, and once after the
     forward: a tensor it looks up is alive there, so any earlier owner of its id died before
-    the entry, and that owner's tag is gone by the time the lookup runs."""
+    the entry, and that owner's tag is gone by the time the lookup runs.
 
-    __slots__ = ("_refs", "_ids", "_tags", "_grad", "dead_grad_owners", "dead", "_strong", "__weakref__")
+    Per tagged tensor it makes one `_Ref` (its key and grad facts in slots) and one entry in
+    `_refs`; a freed tensor costs one pop from `dead` and one lookup at the next purge."""
+
+    __slots__ = ("_refs", "_tags", "dead_grad_owners", "dead", "_on_dead", "_strong", "__weakref__")
 
     def __init__(self, tags: dict) -> None:
         self._refs: dict[int, Any] = {}  # id -> weak reference to the tensor tagged at that id
-        self._ids: dict[int, int] = {}  # id of a weak reference -> its tensor's id (hashing a weak
-        # reference would hash its tensor, which a capture's TorchFunctionMode intercepts)
         self._tags = tags
-        self._grad: dict[int, tuple] = {}  # id of a weak reference -> (grad_fn, tag) at the last append
         self.dead_grad_owners: list[tuple[Any, tuple[int, int]]] = []
         self.dead: list[Any] = []  # weak references whose tensors were freed, not purged yet
+        self._on_dead = self.dead.append  # (one bound method for every reference)
         self._strong: list[Any] = []
 
     def append(self, t: Any) -> None:
@@ -57,34 +66,34 @@ class WeakKeep:
         r = refs.get(k)
         if r is None or r() is not t:
             try:
-                r = weakref.ref(t, self.dead.append)
+                r = _Ref(t, self._on_dead)
             except TypeError:  # not weak-referenceable: keep it (as the plain list does)
                 refs[k] = _Strong(t)
                 return
+            r.key = k
+            r.grad = None
             refs[k] = r
-            self._ids[id(r)] = k
-        if type(t) is _Tensor or isinstance(t, _Tensor):
-            g = t.grad_fn
-            if g is not None:  # the newest node and tag: what a freed tensor leaves behind
-                self._grad[id(r)] = (g, self._tags.get(k))
+        g = t.grad_fn if (type(t) is _Tensor or isinstance(t, _Tensor)) else None
+        if g is not None:  # the newest node and tag: what a freed tensor leaves behind
+            r.grad = g
+            r.tag = self._tags.get(k)
 
     def purge(self) -> None:
         """Drop the tags of the tensors freed since the last purge (set them to None)."""
-        dead, refs, ids, tags, grads = self.dead, self._refs, self._ids, self._tags, self._grad
+        dead, refs, tags = self.dead, self._refs, self._tags
         while dead:
             r = dead.pop()
-            key = id(r)
-            k = ids.pop(key, None)
-            owned = grads.pop(key, None)
-            if k is not None and refs.get(k) is r:  # (not yet replaced by a newer tensor's reference)
+            k = r.key
+            if refs.get(k) is r:  # (not yet replaced by a newer tensor's reference)
                 del refs[k]
                 if k in tags:
                     # None reads as "no tag" (the Recorder reads tags with `.get(...)` and tests
                     # for None). Not popped: CPython hands a freed tensor's address to the next
                     # one, so the same ids come back over and over; the slot is kept for them
                     tags[k] = None
-            if owned is not None and owned[1] is not None:
-                self.dead_grad_owners.append(owned)
+            g = r.grad
+            if g is not None and r.tag is not None:
+                self.dead_grad_owners.append((g, r.tag))
 
     def hold(self, t: Any) -> None:
         """Keep `t` alive until the capture ends (its id keys another table than the tags)."""
