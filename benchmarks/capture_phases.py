@@ -13,7 +13,8 @@ rounds, one torch thread, CPU clock for the whole calls:
 Each is measured three ways: with a collection of the whole heap before every timed call
 (`full`: it evicts the CPU caches, which the capture's Python work notices far more than the
 forward's kernels), with a collection of only what was made since the warm-up (`young`:
-everything alive then is frozen; `capture.py` and `per_op.py` do this by default), and with
+everything alive then is frozen; `capture.py` and `per_op.py` do this with `--collect young`;
+their default is `full`), and with
 no collection between calls (`none`). `--after-gpt2` first builds and runs a plain GPT-2
 forward (importing `transformers` doubles the objects a full collection walks) to show the
 effect of a larger process.

@@ -267,6 +267,37 @@ _PARAM_REFS: dict[str, ArgRef] = {}
 _PARAM_REFS_MAX = 200_000
 
 
+#: An event's `outputs` when nothing of its one output is saved (tuples are immutable: one
+#: object for every such event, as `()` is)
+_UNSAVED = (None,)
+#: torch.Size -> `(tuple(size),)`, an event's `shapes` for one output, and dtype -> `(its name,)`,
+#: its `dtypes`: one tuple per distinct value for every event, instead of two or one new
+#: objects kept per op (what a capture keeps per op is a measurable part of its cost, see
+#: docs/backends/torch.md). Emptied past `_SHAPES_MAX` entries.
+_SHAPE1: dict[Any, tuple] = {}
+_DTYPE1: dict[Any, tuple] = {}
+_SHAPES_MAX = 1 << 12
+
+
+def _shape1(size: Any) -> tuple:
+    try:
+        got = _SHAPE1.get(size)
+    except TypeError:  # a size that cannot be hashed (symbolic dimensions): not cached
+        return (tuple(size),)
+    if got is None:
+        if len(_SHAPE1) >= _SHAPES_MAX:
+            _SHAPE1.clear()
+        got = _SHAPE1[size] = (tuple(size),)
+    return got
+
+
+def _dtype1(dtype: Any) -> tuple:
+    got = _DTYPE1.get(dtype)
+    if got is None:
+        got = _DTYPE1[dtype] = (_DTYPE_NAMES.get(dtype) or dtype_name(dtype),)
+    return got
+
+
 #: Per-callable facts, shared by every capture of the process (they never change).
 _FUNC_INFOS: dict[Any, "FuncInfo"] = {}
 _COMPOSITES: dict | None = None
@@ -509,13 +540,12 @@ class Recorder:
                 saved_outs = (None,) * len(outs)
         else:
             o = outs[0]  # a tensor (the call's result, or the tensor `__setitem__` wrote)
-            shapes = (tuple(o.shape),)
-            dt = o.dtype
-            dtypes = (_DTYPE_NAMES.get(dt) or dtype_name(dt),)
+            shapes = _shape1(o.shape)
+            dtypes = _dtype1(o.dtype)
             if cow is not None:
                 saved_outs = (cow(o),)
             else:
-                saved_outs = (self.save_fn(o),) if self.save_payloads else (None,)
+                saved_outs = (self.save_fn(o),) if self.save_payloads else _UNSAVED
         meta: dict[str, Any] = {"duration_s": duration}
         if not multi:
             if outs[0].requires_grad:
@@ -652,9 +682,13 @@ class Recorder:
         elif not (k in self.param_address or k in self.buffer_address or (args and out is args[0])):
             self.tags[k] = (eid, 0)
             self.keep.append(out)
-        dtype = out.dtype
-        ev = OpEvent(eid, "op", info.name, tuple(parents), (payload,), (tuple(out.shape),),
-                     (_DTYPE_NAMES.get(dtype) or dtype_name(dtype),), self.stack, site, tuple(params), None, saved,
+        try:
+            shapes = _SHAPE1[out.shape]
+        except (KeyError, TypeError):
+            shapes = _shape1(out.shape)
+        dtypes = _DTYPE1.get(out.dtype)
+        ev = OpEvent(eid, "op", info.name, tuple(parents), _UNSAVED if payload is None else (payload,), shapes,
+                     dtypes if dtypes is not None else _dtype1(out.dtype), self.stack, site, tuple(params), None, saved,
                      False, func, targs, tkwargs, inplace, meta)
         self.events.append(ev)
         if cow is not None:
