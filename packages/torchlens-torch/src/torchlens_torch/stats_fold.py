@@ -27,8 +27,6 @@ from typing import Any, Iterator
 import torch
 from torchlens.backends.sdk import FoldedStats
 
-from torchlens_torch.weak_keep import WeakKeep  # noqa: F401 - its first home; save="none" uses it too
-
 #: elements per slab: the scratch buffers are at most 2 x CHUNK x 8 bytes (4 MiB) + 2 x CHUNK bool
 CHUNK = 1 << 18
 

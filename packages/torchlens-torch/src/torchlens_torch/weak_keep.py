@@ -10,7 +10,8 @@ capture's, and all of them would be freed at once, cold, inside the `tl.trace` c
 
 `WeakKeep` holds none of them. It keeps a weak reference per tagged tensor. When the tensor is
 freed, its tag in `tags` is set to None, which reads as no tag (at the Recorder's next hook or
-handler entry, see `WeakKeep`), so a new tensor that gets the same id is not mistaken for it. A tensor whose Python object torch keeps alive because C++ still owns it (a view's base, a
+handler entry, see `WeakKeep`), so a new tensor that gets the same id is not mistaken for it.
+A tensor whose Python object torch keeps alive because C++ still owns it (a view's base, a
 tensor autograd saved) is not freed, so its tag and id stay valid. `hold(t)` keeps a tensor
 alive for the whole capture, for ids other tables key (buffers registered during the forward).
 
@@ -32,7 +33,7 @@ _Tensor = torch.Tensor
 class _Ref(weakref.ref):
     """A weak reference that carries what its tensor leaves behind: the tensor's id (`key`), and
     its newest `grad_fn` that is not None and the tag it had then (`grad`, `tag`; `grad` is None
-when it never had one)."""
+    when it never had one)."""
 
     __slots__ = ("key", "grad", "tag")
 
