@@ -1,7 +1,8 @@
 """The recorder shares the tuples that repeat from event to event (`interceptor._UNSAVED`, the
-per-shape and per-dtype tuples of `_shape1` / `_dtype1`, keyed by value for the process). Each op's shapes, dtypes and
-payloads must still be its own: compared here with shapes, dtypes and values computed by hand,
-across captures of other shapes and dtypes in one process (the caches live for the process)."""
+per-shape and per-dtype tuples of `_shape1` / `_dtype1`, keyed by value for the process). Each
+op's shapes, dtypes and payloads must still be its own: compared here with shapes, dtypes and
+values computed by hand, across captures of other shapes and dtypes in one process (the caches
+live for the process)."""
 
 from __future__ import annotations
 
