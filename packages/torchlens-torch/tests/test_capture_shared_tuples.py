@@ -56,3 +56,38 @@ def test_shapes_dtypes_and_payloads_are_each_ops_own(save):
                 assert torch.equal(op.out, value)
             else:
                 assert not op.saved and op._outputs == (None,)
+
+
+OFFSET = torch.arange(3, dtype=torch.int32)  # read by the forward without an op: a constant source
+
+
+class Sources(nn.Module):
+    """An input, a float64 buffer, an int32 constant and the output: the events that are not ops
+    take their shape and dtype tuples from the same shared caches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((1, 3), 2.0, dtype=torch.float64))
+
+    def forward(self, x):
+        return (x * self.scale).float() + OFFSET
+
+
+@pytest.mark.parametrize("save", ["all", "none"])
+def test_inputs_sources_and_outputs_keep_their_own_shapes_and_dtypes(save):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    trace = tl.trace(Sources(), x, save=save)
+    rows = {op.kind: op for op in trace.ops if op.kind != "op"}
+    out = (x * torch.full((1, 3), 2.0, dtype=torch.float64)).float() + OFFSET
+    expected = {"input": ((2, 3), "float32", x), "buffer": ((1, 3), "float64", torch.full((1, 3), 2.0, dtype=torch.float64)),
+                "constant": ((3,), "int32", OFFSET), "output": ((2, 3), "float32", out)}
+    assert sorted(rows) == sorted(expected)
+    for kind, (shape, dtype, value) in expected.items():
+        op = rows[kind]
+        assert op.shapes == (shape,) and type(op.shapes[0]) is tuple, kind
+        assert op.dtypes == (dtype,), kind
+        if save == "all":
+            assert torch.equal(op.out, value), kind
+        else:
+            assert not op.saved and op._outputs == (None,), kind

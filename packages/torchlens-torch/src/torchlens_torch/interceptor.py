@@ -387,9 +387,8 @@ class Recorder:
         eid = self.next_id
         self.next_id = eid + 1
         saved = self.save_payloads
-        dtype = t.dtype
-        self.events.append(OpEvent(eid, kind, kind, (), (self.save_fn(t) if saved else None,), (tuple(t.shape),),
-                                   (_DTYPE_NAMES.get(dtype) or dtype_name(dtype),), stack, None, (), path, saved))
+        self.events.append(OpEvent(eid, kind, kind, (), (self.save_fn(t),) if saved else _UNSAVED, _shape1(t.shape),
+                                   _dtype1(t.dtype), stack, None, (), path, saved))
         tag = (eid, 0)
         self.tags[id(t)] = tag
         self.keep.append(t)
@@ -402,8 +401,8 @@ class Recorder:
             first = self.tags.get(id(t)) is None  # (a freed tensor's tag reads None: `WeakKeep`)
             eid = self._new_id()
             saved = self.save_payloads
-            self.events.append(OpEvent(eid, "input", "input", (), (self.save_fn(t) if saved else None,),
-                                       (tuple(t.shape),), (dtype_name(t.dtype),), (), None, (), path, saved))
+            self.events.append(OpEvent(eid, "input", "input", (), (self.save_fn(t),) if saved else _UNSAVED,
+                                       _shape1(t.shape), _dtype1(t.dtype), (), None, (), path, saved))
             if first:
                 self.tags[id(t)] = (eid, 0)
                 self.keep.append(t)
@@ -426,7 +425,7 @@ class Recorder:
                 else:
                     payload = self.save_fn(t)
             self.events.append(OpEvent(eid, "output", "output", tuple(parents), (payload,),
-                                       (tuple(t.shape),), (dtype_name(t.dtype),), (), None, tuple(params), path, saved))
+                                       _shape1(t.shape), _dtype1(t.dtype), (), None, tuple(params), path, saved))
 
     def _resolve(self, t: Tensor, parents: list, params: list) -> None:
         key = id(t)
